@@ -1,0 +1,40 @@
+"""Engine settings: which model, how much memory for the paged KV cache, and batch budgets.
+
+Read by engine.LLMEngine (and later by each prefill/decode worker). Frozen and strict: an
+unknown key or a wrong type fails at load with the key named, never later in the step loop.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field("builtin:tiny", description="'builtin:tiny', 'builtin:small' or a local HF directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
+    # The KV cache is sized from a byte budget (the way users think about memory); num_pages
+    # overrides it when a test wants an exact, tiny cache to force preemption.
+    kv_cache_memory_bytes: int = Field(256 * 1024 * 1024, ge=1)
+    num_pages: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(64, ge=1, description="sequences in one step's batch at most")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (chunked prefill)")
+    enable_prefix_caching: bool = True
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length")
+    cache_dir: str | None = Field(None, description="where built-in models are written; default ~/.cache/pdserve")
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> "EngineConfig":
+        if self.attention_backend == "triton" and not self.device.startswith("cuda"):
+            # The interpreter can run the kernels on CPU, but only tests should choose that.
+            import os
+
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("attention_backend 'triton' needs device 'cuda' (or TRITON_INTERPRET=1 for tests)")
+        return self

@@ -1,0 +1,78 @@
+"""Paged attention for one layer: store this step's K/V into the cache, then attend over it.
+
+Called by each decoder layer of engine/models/llama.py with the step's ForwardBatch. The
+backend is chosen once per engine: `torch` (kernels/reference.py, the CPU path) or `triton`
+(the kernels/ Triton kernels, the GPU path). Both take identical arguments.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward_batch import ForwardBatch
+from kernels import reference
+
+
+class AttentionBackend:
+    """The three cache ops, taken from one implementation module each."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if name == "torch":
+            store: ModuleType = reference
+            decode: ModuleType = reference
+            prefill: ModuleType = reference
+        elif name == "triton":
+            from kernels import triton_decode_attention as decode
+            from kernels import triton_prefill_attention as prefill
+            from kernels import triton_store_kv as store
+        else:
+            raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+        self.store_kv = store.store_kv
+        self.paged_decode_attention = decode.paged_decode_attention
+        self.paged_prefill_attention = prefill.paged_prefill_attention
+
+
+def paged_attention(
+    backend: AttentionBackend,
+    batch: ForwardBatch,
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    backend.store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
+    num_decode = batch.num_decode_seqs
+    num_seqs = batch.num_seqs
+    if num_decode == num_seqs:
+        return backend.paged_decode_attention(
+            query, k_cache, v_cache, batch.page_table, batch.context_lens, scale
+        )
+    if num_decode == 0 and backend.name == "torch" and _is_fresh_single_prompt(batch):
+        # A whole prompt with nothing cached before it: its K/V are all in hand, so skip the
+        # gather from pages and let SDPA take its fast causal path.
+        return F.scaled_dot_product_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1],
+        ).transpose(0, 1)
+    out = torch.empty_like(query)
+    if num_decode:
+        out[:num_decode] = backend.paged_decode_attention(
+            query[:num_decode], k_cache, v_cache, batch.page_table[:num_decode],
+            batch.context_lens[:num_decode], scale,
+        )
+    starts = batch.query_start_loc[num_decode:]
+    out[num_decode:] = backend.paged_prefill_attention(
+        query[num_decode:], k_cache, v_cache, batch.page_table[num_decode:],
+        starts - starts[0], batch.context_lens[num_decode:], scale,
+    )
+    return out
+
+
+def _is_fresh_single_prompt(batch: ForwardBatch) -> bool:
+    return batch.num_seqs == 1 and int(batch.context_lens[0]) == batch.num_tokens

@@ -1,0 +1,173 @@
+"""The step-driven engine: requests in, one model step per `step()`, incremental outputs out.
+
+This is what the workers drive (and what engine/llm.py wraps for offline use):
+    engine.add_request(request_id, prompt_token_ids, params)   # validates, queues
+    while engine.has_unfinished_requests():
+        for out in engine.step():                              # schedule -> run -> sample
+            ...                                                # new tokens, finish reason
+    engine.abort_request(request_id)                           # frees its pages at once
+Each step: the scheduler picks sequences and token counts, the model runner executes them as
+one ForwardBatch, the sampler picks a token for each sequence whose known tokens are now all
+computed, and finished sequences release their pages exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from configs.engine import EngineConfig
+from engine.attention import AttentionBackend
+from engine.kv_cache import KVCache
+from engine.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.page_manager import PageManager
+from engine.sampler import sample
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the tokens added since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # all generated so far
+    logprobs: list[float] = field(default_factory=list)  # all so far, when params.logprobs
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model, config.cache_dir)
+        dtype = DTYPES[config.dtype]
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if config.device.startswith("cuda") else "torch"
+        self.model = load_model(self.model_path, dtype, config.device, AttentionBackend(backend_name))
+        self.model_config = self.model.cfg
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        num_pages = config.num_pages or KVCache.pages_for_budget(
+            self.model_config, config.kv_cache_memory_bytes, config.page_size, dtype
+        )
+        self.kv_cache = KVCache(self.model_config, num_pages, config.page_size, dtype, config.device)
+        self.page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.page_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._num_arrivals = 0
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Validates and queues a request; raises ValueError (and queues nothing) on bad input."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} tokens "
+                f"and at least one must be left to generate"
+            )
+        capacity = self.page_manager.num_pages * self.page_manager.page_size
+        needed = min(len(ids) + params.max_tokens, self.max_model_len)
+        if needed > capacity:
+            raise ValueError(
+                f"request needs up to {needed} tokens of KV cache (prompt {len(ids)} + max_tokens "
+                f"{params.max_tokens}) but the whole cache holds {capacity}"
+            )
+        seq = Sequence(request_id, ids, params, self._num_arrivals, self.max_model_len)
+        self._num_arrivals += 1
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Ends a request now and frees its pages; False if it is unknown or already finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step loop ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        logits, sampled = self.runner.execute(sched.scheduled)
+        self.scheduler.finish_step(sched)
+        self.num_steps += 1
+        if not sampled:
+            return []
+        seqs = [s.seq for s in sampled]
+        token_ids, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        outputs = []
+        for seq, token, logprob in zip(seqs, token_ids, logprobs):
+            seq.token_ids.append(token)
+            if seq.params.logprobs:
+                seq.logprobs.append(logprob)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self._seqs[seq.request_id]
+            outputs.append(RequestOutput(
+                request_id=seq.request_id,
+                new_token_ids=[token],
+                new_logprobs=[logprob] if seq.params.logprobs else [],
+                finished=reason is not None,
+                finish_reason=reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
+                token_ids=seq.output_token_ids,
+                logprobs=list(seq.logprobs),
+            ))
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model_config.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens or seq.num_tokens >= seq.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    # -- introspection (tests, metrics) -------------------------------------------------------
+    def page_stats(self) -> dict[str, int]:
+        pm = self.page_manager
+        return {
+            "num_pages": pm.num_pages,
+            "free": pm.num_free_pages,
+            "referenced": pm.num_referenced_pages,
+            "cached": pm.num_cached_pages,
+        }
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @torch.inference_mode()
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())

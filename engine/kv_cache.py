@@ -1,0 +1,44 @@
+"""The paged KV cache: one K and one V page tensor per layer, sized from a memory budget.
+
+Owned by the engine (one per worker process); the model's attention layers read and write it
+through slot indices, the page manager (engine/page_manager.py) decides which pages belong to
+which sequence. Pages are interchangeable, so the cache knows nothing about sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model_config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        kv_heads = num_kv_heads or cfg.num_kv_heads
+        shape = (num_pages, page_size, kv_heads, cfg.head_dim)  # per layer
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+    @staticmethod
+    def pages_for_budget(cfg: ModelConfig, memory_bytes: int, page_size: int, dtype: torch.dtype) -> int:
+        """How many pages fit in `memory_bytes` across all layers (K and V)."""
+        bytes_per_page = cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * page_size
+        num_pages = memory_bytes // bytes_per_page
+        if num_pages < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={memory_bytes} holds no page: one page of {page_size} tokens "
+                f"needs {bytes_per_page} bytes"
+            )
+        return int(num_pages)
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer_id], self.v[layer_id]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

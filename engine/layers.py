@@ -1,0 +1,93 @@
+"""Building blocks of the decoder: RMSNorm and tensor-parallel-ready linear layers.
+
+Used by engine/models/llama.py. Linear layers follow the Megatron split so tensor parallelism
+can shard them without touching the model: a ColumnParallelLinear keeps a slice of the output
+features, a RowParallelLinear a slice of the input features and sums partial outputs with one
+all-reduce. With `ParallelContext()` (world size 1) they are plain linear layers.
+Weights are loaded through `load(name, full_tensor)`, which cuts this rank's shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This shard's place in its tensor-parallel group (rank 0 of 1 until TP arrives)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.tp_size == 1:
+            return full
+        if full.shape[dim] % self.tp_size:
+            raise ValueError(f"dimension {full.shape[dim]} does not split into {self.tp_size} shards")
+        return full.chunk(self.tp_size, dim=dim)[self.tp_rank]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the compute dtype, as the reference implementations do.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), W split along output features. `parts` lists fused sub-matrices
+    (e.g. q, k, v) so each part is sharded on its own before concatenation."""
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.part_sizes = [p // ctx.tp_size for p in parts]
+        out = sum(self.part_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
+
+    def _rows(self, part: int) -> slice:
+        start = sum(self.part_sizes[:part])
+        return slice(start, start + self.part_sizes[part])
+
+    def load_weight(self, part: int, weight: torch.Tensor) -> None:
+        self.weight.data[self._rows(part)].copy_(self.ctx.shard(weight, 0))
+
+    def load_bias(self, part: int, bias: torch.Tensor) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias this layer was not built with")
+        self.bias.data[self._rows(part)].copy_(self.ctx.shard(bias, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T, W split along input features; partial sums are all-reduced across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // ctx.tp_size), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(self.ctx.shard(weight, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_reduce(F.linear(x, self.weight))

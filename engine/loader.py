@@ -1,0 +1,65 @@
+"""From a model name to a ready model and tokenizer: resolve, read config, load weights.
+
+First stop of engine start-up (engine/engine.py). `builtin:NAME` resolves to the built-in
+checkpoint (built into the cache on first use); anything else must be a local Hugging Face
+directory with config.json and safetensors weights (a single file or an index of shards).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.attention import AttentionBackend
+from engine.builtin_models import ensure_builtin, parse_builtin
+from engine.model_config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
+    builtin = parse_builtin(model)
+    if builtin is not None:
+        return ensure_builtin(builtin, cache_dir)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is neither a built-in name (builtin:tiny, builtin:small) nor a local directory"
+        )
+    return path
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (pickled .bin checkpoints are not loaded)")
+    return files
+
+
+def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBackend) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_dir(path)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, backend).to(dtype)
+
+    def tensors():
+        for file in safetensors_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).to(dtype)
+
+    model.load_weights(tensors())
+    return model.eval()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

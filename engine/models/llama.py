@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+The model runner (engine/model_runner.py) calls `forward(batch, kv_cache)` once per step with a
+packed ForwardBatch; each layer writes its K/V into the cache and attends through
+engine/attention.py. `load_weights` takes Hugging Face tensor names, so any checkpoint of these
+families loads without conversion. Grouped-query attention, RoPE (with scaling variants),
+RMSNorm, SwiGLU, tied or untied embeddings and Qwen2's qkv bias are all here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, paged_attention
+from engine.forward_batch import ForwardBatch
+from engine.kv_cache import KVCache
+from engine.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // ctx.tp_size
+        self.num_kv_heads = max(1, cfg.num_kv_heads // ctx.tp_size)
+        self.scale = cfg.head_dim**-0.5
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, ctx)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, ctx)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache, rope: RotaryEmbedding,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope.apply(batch.positions, q, k)
+        k_cache, v_cache = kv_cache.layer(self.layer_id)
+        out = paged_attention(backend, batch, q, k, v, k_cache, v_cache, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], False, ctx
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, ctx, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ctx)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ctx: ParallelContext | None = None) -> None:
+        super().__init__()
+        ctx = ctx or ParallelContext()
+        self.cfg = cfg
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head_weight: torch.Tensor | None = None  # None = tied to embed_tokens
+        self.rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling_dict
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Runs one step; returns the final hidden states of the rows in `batch.logits_indices`."""
+        hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        for layer in self.layers:
+            residual = hidden
+            hidden = layer.self_attn(layer.input_layernorm(hidden), batch, kv_cache, self.rope, self.backend)
+            hidden = residual + hidden
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        # Only the rows that will be sampled need the final norm and the vocabulary projection:
+        # for a 1,000-token prefill chunk that is one row, not a thousand.
+        return self.norm(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_sampled, vocab]
+        weight = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named tensors; fails naming any tensor the model has no place for or lacks."""
+        params = dict(self.named_parameters())
+        expected = {n for n in params if not n.endswith(".bias")}
+        seen: set[str] = set()
+        qkv_parts = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+        for name, tensor in tensors:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight":
+                if not self.cfg.tie_word_embeddings:
+                    self.lm_head_weight = tensor.to(self.embed_tokens.weight.dtype).contiguous()
+                continue
+            if "rotary_emb" in name:
+                continue
+            parts = name.split(".")
+            if parts[0] == "layers" and parts[3] in qkv_parts:
+                layer = self.layers[int(parts[1])].self_attn.qkv_proj
+                part = qkv_parts[parts[3]]
+                if parts[4] == "weight":
+                    layer.load_weight(part, tensor)
+                else:
+                    layer.load_bias(part, tensor)
+                seen.add(f"layers.{parts[1]}.self_attn.qkv_proj.{parts[4]}")
+            elif parts[0] == "layers" and parts[3] in ("gate_proj", "up_proj"):
+                layer = self.layers[int(parts[1])].mlp.gate_up_proj
+                layer.load_weight(0 if parts[3] == "gate_proj" else 1, tensor)
+                seen.add(f"layers.{parts[1]}.mlp.gate_up_proj.weight")
+            elif parts[0] == "layers" and parts[3] in ("o_proj", "down_proj"):
+                target = f"layers.{parts[1]}.{parts[2]}.{parts[3]}"
+                self.get_submodule(target).load(tensor)
+                seen.add(name)
+            elif name in params:
+                params[name].data.copy_(tensor)
+                seen.add(name)
+            else:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
+        missing = expected - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        if not self.cfg.tie_word_embeddings and self.lm_head_weight is None:
+            raise ValueError("config says untied embeddings but the checkpoint has no lm_head.weight")
+

@@ -1,0 +1,110 @@
+"""Rotary position embeddings, including the rope_scaling variants Llama/Qwen2/Mistral configs use.
+
+Called by the attention block of engine/models/llama.py on each step's flat `positions` tensor.
+The frequency math follows the published formulas (and Hugging Face's float32 order of
+operations), because a last-bit difference in cos/sin is enough to flip a greedy argmax.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from engine.model_config import UnsupportedModelError
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are divided by `factor`, short ones kept, the band between
+    # blended smoothly.
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    # YaRN: interpolate low frequencies, extrapolate high ones, ramp between; cos/sin are then
+    # scaled by an attention factor that grows with log(factor).
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables indexed by absolute position."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        base: float,
+        scaling: dict[str, Any],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        attention_factor = 1.0
+        if rope_type == "default":
+            inv_freq = _default_inv_freq(base, head_dim)
+        elif rope_type == "linear":
+            inv_freq = _default_inv_freq(base, head_dim) / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(_default_inv_freq(base, head_dim), scaling)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, scaling, max_positions)
+        else:
+            raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not implemented")
+        positions = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * attention_factor).to(device)  # [max_positions, head_dim]
+        self.sin = (emb.sin() * attention_factor).to(device)
+
+    def apply(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(query.dtype)[:, None, :]
+        sin = self.sin[positions].to(query.dtype)[:, None, :]
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

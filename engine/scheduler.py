@@ -1,0 +1,157 @@
+"""Iteration-level scheduling: who runs in the next step, with how many tokens each.
+
+The engine calls `schedule()` before every model step and `finish_step()` after it. All
+policy lives in `schedule()`, read top to bottom:
+  1. Running sequences first, oldest first. Each gets the tokens it still needs (one for a
+     decode, the rest of its prompt for a prefill), capped by the step's token budget
+     (chunked prefill). If its pages cannot be allocated, the newest running sequence is
+     preempted (pages released, recomputed later from its tokens) until they can.
+  2. Then waiting sequences, in arrival order, while the budget, `max_num_seqs` and free
+     pages allow: prefix-cache hits are taken first, only the rest is computed.
+No waiting sequence is admitted in a step that preempted: pages are short.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.page_manager import PageManager
+from engine.prefix_cache import ROOT_HASH, hash_full_pages
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the sequence's known tokens, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, page_manager: PageManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pages = page_manager
+        self.page_size = page_manager.page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        # 1. Running sequences, oldest first; preempt from the newest end when pages run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._pages_needed(seq, num_new)
+            while not self.pages.can_allocate(need) and self.running[-1] is not seq:
+                out.preempted.append(self._preempt(self.running.pop()))
+            if not self.pages.can_allocate(need):
+                # Even alone it does not fit this step: it waits for pages to be freed.
+                out.preempted.append(self._preempt(self.running.pop()))
+                break
+            seq.page_table += self.pages.allocate(need)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting sequences, in arrival order (preempted ones were put back at the front).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            hits = self._prefix_hits(seq)
+            num_cached = len(hits) * self.page_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            need = self._pages_needed_from(len(hits), num_cached + num_new)
+            if not self.pages.can_allocate(need + self.pages.num_evictable_among(hits)):
+                break
+            self.waiting.popleft()
+            self.pages.acquire(hits)
+            self.pages.record_lookup(seq.num_tokens, num_cached)
+            seq.page_table = hits + self.pages.allocate(need)
+            seq.num_computed_tokens = seq.num_cached_prompt_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def finish_step(self, out: SchedulerOutput) -> None:
+        """Advances progress of every scheduled sequence and registers its newly full pages."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self._register_full_pages(s.seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Moves a sequence to its terminal state and releases its pages (exactly once)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.pages.release(seq.page_table)
+        seq.page_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _pages_needed(self, seq: Sequence, num_new: int) -> int:
+        return self._pages_needed_from(len(seq.page_table), seq.num_computed_tokens + num_new)
+
+    def _pages_needed_from(self, num_pages_held: int, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - num_pages_held)
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        if not self.pages.enable_prefix_caching:
+            return []
+        # At least one token must be computed, or there would be no logits to sample from.
+        max_pages = (seq.num_tokens - 1) // self.page_size
+        hashes = hash_full_pages(seq.token_ids[: max_pages * self.page_size], self.page_size)
+        return self.pages.match_prefix(hashes)
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        if not self.pages.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.page_size
+        if num_full <= len(seq.page_hashes):
+            return
+        parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_HASH
+        new = hash_full_pages(seq.token_ids[: num_full * self.page_size], self.page_size,
+                              start_page=len(seq.page_hashes), parent=parent)
+        for index, page_hash in enumerate(new, start=len(seq.page_hashes)):
+            self.pages.register(seq.page_table[index], page_hash)
+        seq.page_hashes += new
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        # Recompute-style preemption: drop the KV, keep the tokens. The pages it filled stay in
+        # the prefix cache (if enabled), so re-admission often recomputes little.
+        self.pages.release(seq.page_table)
+        seq.page_table = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        return seq
