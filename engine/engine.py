@@ -163,6 +163,11 @@ class LLMEngine:
         }
 
     def encode(self, text: str) -> list[int]:
+        """Tokenizes a text prompt the way Hugging Face does (BOS added where the model adds it)."""
+        if not isinstance(text, str):
+            raise TypeError(f"prompt text must be a str, got {type(text).__name__}")
+        if not text:
+            raise ValueError("prompt is empty: it must contain at least one character")
         return self.tokenizer(text)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:

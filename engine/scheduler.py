@@ -50,6 +50,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # lifetime total, for tests and metrics
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -152,6 +153,7 @@ class Scheduler:
         seq.page_table = []
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         return seq

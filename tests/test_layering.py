@@ -1,0 +1,69 @@
+"""DESIGN.md's import rules, read from the source, and the `kernels` / `proto` name clashes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ["proto", "configs", "kernels", "engine", "prefill_worker", "decode_worker", "router", "cluster"]
+ALLOWED = {
+    "proto": set(),
+    "configs": set(),
+    "kernels": set(),
+    "engine": {"kernels", "configs", "proto"},
+    "prefill_worker": {"engine", "configs", "proto"},
+    "decode_worker": {"engine", "configs", "proto"},
+    "router": {"configs", "proto"},
+    "cluster": set(PACKAGES) - {"cluster"},
+}
+# The router process must stay light: no torch (nor anything that imports it).
+FORBIDDEN_THIRD_PARTY = {"router": {"torch", "transformers", "triton"}}
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_package_exists_with_a_docstring():
+    for pkg in PACKAGES:
+        init = REPO / pkg / "__init__.py"
+        assert init.is_file(), f"{pkg}/__init__.py missing"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{pkg}/__init__.py has no docstring"
+
+
+def test_imports_follow_the_dag():
+    violations = []
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            for name in imported_modules(path):
+                if name in PACKAGES and name != pkg and name not in ALLOWED[pkg]:
+                    violations.append(f"{path.relative_to(REPO)} imports {name}")
+                if name in FORBIDDEN_THIRD_PARTY.get(pkg, ()):
+                    violations.append(f"{path.relative_to(REPO)} imports {name} (not allowed in {pkg})")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import decode_worker.x\nfrom engine import LLM\n")
+    assert imported_modules(bad) == {"decode_worker", "engine"}
+
+
+def test_kernels_and_proto_resolve_to_this_repo():
+    import kernels
+    import proto
+    from transformers.utils import is_kernels_available
+
+    assert Path(kernels.__file__).resolve().parent == REPO / "kernels"
+    assert Path(proto.__file__).resolve().parent == REPO / "proto"
+    # Our distribution provides the `kernels` import name; transformers must not take it for
+    # Hugging Face's kernel hub (it checks the version range).
+    assert is_kernels_available() is False
