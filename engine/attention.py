@@ -56,10 +56,13 @@ def paged_attention(
     if num_decode == 0 and backend.name == "torch" and _is_fresh_single_prompt(batch):
         # A whole prompt with nothing cached before it: its K/V are all in hand, so skip the
         # gather from pages and let SDPA take its fast causal path.
+        num_heads = query.shape[1]
         return F.scaled_dot_product_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1],
-        ).transpose(0, 1)
+            query.transpose(0, 1)[None],  # [1, h, T, d]: 4-D, or CPU SDPA takes its slow path
+            reference.expand_kv_heads(key.transpose(0, 1), num_heads)[None],
+            reference.expand_kv_heads(value.transpose(0, 1), num_heads)[None],
+            is_causal=True, scale=scale,
+        )[0].transpose(0, 1)
     out = torch.empty_like(query)
     if num_decode:
         out[:num_decode] = backend.paged_decode_attention(

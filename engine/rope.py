@@ -94,15 +94,19 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * attention_factor).to(device)  # [max_positions, head_dim]
         self.sin = (emb.sin() * attention_factor).to(device)
 
-    def apply(
-        self,
-        positions: torch.Tensor,  # [num_tokens]
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(query.dtype)[:, None, :]
-        sin = self.sin[positions].to(query.dtype)[:, None, :]
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for a step's positions, [num_tokens, 1, head_dim] each; looked up once
+        per step and shared by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,15 @@ def store_kv(
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def expand_kv_heads(x: torch.Tensor, num_heads: int, head_dim_axis: int = -3) -> torch.Tensor:
+    """Repeats each KV head for its query-head group (GQA). SDPA's own `enable_gqa` would do
+    this, but on CPU it falls back to the slow math kernel; an explicit copy keeps the fused one."""
+    num_kv_heads = x.shape[head_dim_axis]
+    if num_kv_heads == num_heads:
+        return x
+    return x.repeat_interleave(num_heads // num_kv_heads, dim=head_dim_axis)
+
+
 def gather_kv(
     cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
     page_table: torch.Tensor,  # [num_seqs, max_pages]
@@ -64,11 +73,10 @@ def paged_decode_attention(
     mask = valid[:, None, None, :]  # [B, 1, 1, S] broadcast over heads and the single query
     out = F.scaled_dot_product_attention(
         query[:, :, None, :],  # [B, h, 1, d]
-        keys.transpose(1, 2),  # [B, kvh, S, d]
-        values.transpose(1, 2),
+        expand_kv_heads(keys.transpose(1, 2), num_heads),  # [B, h, S, d]
+        expand_kv_heads(values.transpose(1, 2), num_heads),
         attn_mask=mask,
         scale=scale,
-        enable_gqa=num_heads != keys.shape[2],
     )
     return out[:, :, 0, :]
 
@@ -102,12 +110,12 @@ def paged_prefill_attention(
         values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:ctx_len].to(query.dtype)
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, S]
+        # 4-D [1, h, len, d] inputs: CPU SDPA only takes its fused kernel for 4-D tensors.
         out[starts[b] : starts[b + 1]] = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [h, q_len, d]
-            keys.transpose(0, 1),  # [kvh, S, d]
-            values.transpose(0, 1),
+            q.transpose(0, 1)[None],  # [1, h, q_len, d]
+            expand_kv_heads(keys.transpose(0, 1), q.shape[1])[None],  # [1, h, S, d]
+            expand_kv_heads(values.transpose(0, 1), q.shape[1])[None],
             attn_mask=mask,
             scale=scale,
-            enable_gqa=q.shape[1] != keys.shape[1],
-        ).transpose(0, 1)
+        )[0].transpose(0, 1)
     return out

@@ -20,7 +20,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear
 from engine.model_config import ModelConfig
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, apply_rotary
 
 
 class Attention(nn.Module):
@@ -36,15 +36,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, ctx)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache, rope: RotaryEmbedding,
-        backend: AttentionBackend,
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache,
+        cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.part_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope.apply(batch.positions, q, k)
+        q, k = apply_rotary(cos_sin, q, k)
         k_cache, v_cache = kv_cache.layer(self.layer_id)
         out = paged_attention(backend, batch, q, k, v, k_cache, v_cache, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
@@ -91,9 +91,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Runs one step; returns the final hidden states of the rows in `batch.logits_indices`."""
         hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        cos_sin = self.rope.lookup(batch.positions, hidden.dtype)
         for layer in self.layers:
             residual = hidden
-            hidden = layer.self_attn(layer.input_layernorm(hidden), batch, kv_cache, self.rope, self.backend)
+            hidden = layer.self_attn(layer.input_layernorm(hidden), batch, kv_cache, cos_sin, self.backend)
             hidden = residual + hidden
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_no_page_leak, hf_greedy
+from tests.helpers import assert_no_page_leak, hf_greedy
 
 from engine import LLM, SamplingParams
 

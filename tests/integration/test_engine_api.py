@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_no_page_leak, hf_greedy
+from tests.helpers import assert_no_page_leak, hf_greedy
 
 from configs import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams

@@ -8,7 +8,7 @@ page is left referenced.
 from __future__ import annotations
 
 import pytest
-from conftest import assert_no_page_leak, hf_greedy
+from tests.helpers import assert_no_page_leak, hf_greedy
 
 from engine import LLM, LLMEngine, SamplingParams
 from configs import EngineConfig

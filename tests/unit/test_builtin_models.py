@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy
+from tests.helpers import hf_greedy
 
 from engine.builtin_models import BUILTIN_SPECS, build_builtin, parse_builtin
 
