@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     model: str = Field("builtin:tiny", description="'builtin:tiny', 'builtin:small' or a local HF directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -102,11 +102,10 @@ class RotaryEmbedding:
 
 def apply_rotary(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]: queries and keys side by side
+) -> torch.Tensor:
     cos, sin = cos_sin
-    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

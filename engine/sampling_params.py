@@ -10,10 +10,13 @@ import math
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # below GREEDY_TEMPERATURE means greedy
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0
     seed: int | None = None  # per-request generator: same seed, same tokens, whatever the batch
@@ -22,6 +25,8 @@ class SamplingParams:
     logprobs: bool = False  # return the log-probability of each chosen token
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         # Lists are accepted for convenience; stored as a tuple to keep the object hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -32,14 +37,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Dividing logits by a temperature this small overflows float32; its limit is greedy.
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _finite(x: object) -> bool:

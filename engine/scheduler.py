@@ -82,7 +82,7 @@ class Scheduler:
         # 2. Waiting sequences, in arrival order (preempted ones were put back at the front).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            hits = self._prefix_hits(seq)
+            hits, hit_hashes = self._prefix_hits(seq)
             num_cached = len(hits) * self.page_size
             num_new = min(seq.num_tokens - num_cached, budget)
             need = self._pages_needed_from(len(hits), num_cached + num_new)
@@ -92,7 +92,10 @@ class Scheduler:
             self.pages.acquire(hits)
             self.pages.record_lookup(seq.num_tokens, num_cached)
             seq.page_table = hits + self.pages.allocate(need)
-            seq.num_computed_tokens = seq.num_cached_prompt_tokens = num_cached
+            seq.page_hashes = hit_hashes
+            seq.num_computed_tokens = num_cached
+            # A re-admission may also hit its own generated tokens; count only the prompt's.
+            seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
@@ -113,8 +116,7 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.pages.release(seq.page_table)
-        seq.page_table = []
+        self._release_pages(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -125,13 +127,22 @@ class Scheduler:
     def _pages_needed_from(self, num_pages_held: int, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - num_pages_held)
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
+    def _prefix_hits(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Cached pages holding the sequence's leading full pages, and those pages' hashes."""
         if not self.pages.enable_prefix_caching:
-            return []
+            return [], []
         # At least one token must be computed, or there would be no logits to sample from.
         max_pages = (seq.num_tokens - 1) // self.page_size
         hashes = hash_full_pages(seq.token_ids[: max_pages * self.page_size], self.page_size)
-        return self.pages.match_prefix(hashes)
+        hits = self.pages.match_prefix(hashes)
+        return hits, hashes[: len(hits)]
+
+    def _release_pages(self, seq: Sequence) -> None:
+        # Last page first: LRU then evicts a prefix from its tail, so what stays cached is
+        # always a usable prefix (an evicted first page would strand every page after it).
+        self.pages.release(reversed(seq.page_table))
+        seq.page_table = []
+        seq.page_hashes = []
 
     def _register_full_pages(self, seq: Sequence) -> None:
         if not self.pages.enable_prefix_caching:
@@ -149,8 +160,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> Sequence:
         # Recompute-style preemption: drop the KV, keep the tokens. The pages it filled stay in
         # the prefix cache (if enabled), so re-admission often recomputes little.
-        self.pages.release(seq.page_table)
-        seq.page_table = []
+        self._release_pages(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
