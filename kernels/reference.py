@@ -63,6 +63,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence, attending to its first `context_lens[i]` cached tokens."""
     num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
     max_pages = int((int(context_lens.max()) + k_cache.shape[1] - 1) // k_cache.shape[1])
     page_table = page_table[:, :max_pages]
     keys = gather_kv(k_cache, page_table).to(query.dtype)  # [B, S, kvh, d]
@@ -70,15 +72,18 @@ def paged_decode_attention(
     seq_len = keys.shape[1]
     # Padding positions beyond each context length get -inf before softmax.
     valid = torch.arange(seq_len, device=query.device)[None, :] < context_lens[:, None].to(query.device)
-    mask = valid[:, None, None, :]  # [B, 1, 1, S] broadcast over heads and the single query
+    mask = valid[:, None, None, :]  # [B, 1, 1, S] broadcast over heads and query rows
+    # GQA without copying K/V: the `group` query heads that share a KV head become that head's
+    # query rows (one query token each, so they share the mask). Query head i reads KV head
+    # i // group, as in the reference implementations.
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :],  # [B, h, 1, d]
-        expand_kv_heads(keys.transpose(1, 2), num_heads),  # [B, h, S, d]
-        expand_kv_heads(values.transpose(1, 2), num_heads),
+        query.view(num_seqs, num_kv_heads, group, head_dim),  # [B, kvh, group, d]
+        keys.transpose(1, 2),  # [B, kvh, S, d]
+        values.transpose(1, 2),
         attn_mask=mask,
         scale=scale,
     )
-    return out[:, :, 0, :]
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention(
