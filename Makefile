@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test bench clean
 
 install: $(STAMP)
 
@@ -24,9 +24,6 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
-
-test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
 	$(BIN)/python benchmarks/engine_throughput.py
