@@ -8,7 +8,9 @@ own keys/values must already be in the cache (store_kv runs first).
 
 Query token i of sequence b (q_len_b tokens) sits at position `context_lens[b] - q_len_b + i` and
 sees keys 0..that position. FlashAttention-style: one program per (query block, head, sequence)
-walks key blocks up to the block's last query position with an online softmax.
+walks key blocks up to the block's last query position with an online softmax. That key-block
+loop (`attend_paged_context`, here with the causal mask) and the host-side argument checks are
+shared with the decode kernel in `kernels.triton_paged_common`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_paged_common import (
+    attend_paged_context,
+    check_index_dtypes,
+    check_page_table,
+    check_query_and_cache,
+    check_same_device,
+)
 
 _BLOCK_M = 16  # query tokens per program (>= 16 for tl.dot)
 _BLOCK_N = 16  # key tokens per inner-loop step
@@ -64,39 +74,13 @@ def _prefill_kernel(
     last_row = tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len)
     hi = tl.where(m_block * BLOCK_M < q_len, ctx_len - q_len + last_row, 0)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # running max (log2 domain)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = n < ctx_len
-        page = tl.load(
-            page_table_ptr + seq * stride_pts + (n // page_size) * stride_ptp, mask=n_mask, other=0
-        ).to(tl.int64)
-        in_page = (n % page_size).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-            + kv_head * stride_kh + d[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            v_cache_ptr + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-            + kv_head * stride_vh + d[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])  # causal with offset
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
-
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = attend_paged_context(
+        q, q_pos, hi, ctx_len, qk_scale,
+        k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
+        page_table_ptr + seq * stride_pts, d, d_mask, page_size, stride_ptp,
+        stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
+        ROWS=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION,
+    )  # [BLOCK_M, BLOCK_D] float32
     tl.store(
         out_ptr + (q_start + rows[:, None]) * stride_ot + head * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -114,21 +98,9 @@ def paged_prefill_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention for a chunk of query tokens per sequence over its paged context."""
-    if query.dim() != 3:
-        raise ValueError(
-            f"query must be [num_tokens, num_heads, head_dim]; got {tuple(query.shape)}"
-        )
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache/v_cache must both be [num_pages, page_size, num_kv_heads, head_dim]; "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_query_and_cache(query, k_cache, v_cache, "num_tokens")
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if context_lens.dim() != 1:
         raise ValueError(f"context_lens must be [num_seqs]; got {tuple(context_lens.shape)}")
     num_seqs = context_lens.shape[0]
@@ -136,18 +108,11 @@ def paged_prefill_attention(
         raise ValueError(
             f"query_start_loc must be [{num_seqs + 1}]; got {tuple(query_start_loc.shape)}"
         )
-    if page_table.dim() != 2 or page_table.shape[0] != num_seqs:
-        raise ValueError(
-            f"page_table must be [{num_seqs}, max_pages]; got {tuple(page_table.shape)}"
-        )
-    for name, t in (("page_table", page_table), ("query_start_loc", query_start_loc),
-                    ("context_lens", context_lens)):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be int32 or int64; got {t.dtype}")
-    tensors = (query, k_cache, v_cache, page_table, query_start_loc, context_lens)
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+    check_page_table(page_table, num_seqs)
+    check_index_dtypes(
+        page_table=page_table, query_start_loc=query_start_loc, context_lens=context_lens
+    )
+    check_same_device(query, k_cache, v_cache, page_table, query_start_loc, context_lens)
 
     out = torch.empty_like(query)
     if num_seqs == 0 or query.shape[0] == 0 or num_heads == 0:

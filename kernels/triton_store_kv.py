@@ -5,6 +5,7 @@ values, this writes them into their cache slots before attention reads the cache
 Same arguments and semantics as `kernels.reference.store_kv` (the pure-torch oracle):
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]
     slot = page_id * page_size + offset_in_page; a negative slot means "skip this token".
+Its host-side argument checks are shared with the attention kernels (`kernels.triton_paged_common`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_paged_common import check_index_dtypes, check_kv_cache, check_same_device
 
 
 @triton.jit
@@ -58,11 +61,7 @@ def store_kv(
             f"key/value must both be [num_tokens, num_kv_heads, head_dim]; "
             f"got {tuple(key.shape)} and {tuple(value.shape)}"
         )
-    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(
-            f"k_cache/v_cache must both be [num_pages, page_size, num_kv_heads, head_dim]; "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_kv_cache(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(
@@ -71,11 +70,8 @@ def store_kv(
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}]; got {tuple(slot_mapping.shape)}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32 or int64; got {slot_mapping.dtype}")
-    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+    check_index_dtypes(slot_mapping=slot_mapping)
+    check_same_device(key, value, k_cache, v_cache, slot_mapping)
     if num_tokens == 0:
         return
 
