@@ -58,6 +58,8 @@ def _cmd_model_build(args: argparse.Namespace) -> int:
     name = parse_builtin(args.name)
     if name is None:
         raise SystemExit(f"pdserve: {args.name!r} is not a built-in model name (builtin:tiny, builtin:small)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SystemExit(f"pdserve: {args.out} exists and is not a directory")
     if os.path.exists(args.out) and os.listdir(args.out) and not args.force:
         raise SystemExit(f"pdserve: {args.out} exists and is not empty (use --force to overwrite)")
     out = build_builtin(name, args.out)

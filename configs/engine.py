@@ -30,11 +30,11 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(None, description="where built-in models are written; default ~/.cache/pdserve")
 
     @model_validator(mode="after")
-    def _check_backend(self) -> "EngineConfig":
-        if self.attention_backend == "triton" and not self.device.startswith("cuda"):
-            # The interpreter can run the kernels on CPU, but only tests should choose that.
-            import os
-
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError("attention_backend 'triton' needs device 'cuda' (or TRITON_INTERPRET=1 for tests)")
+    def _check_budgets(self) -> "EngineConfig":
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise the sequences at the tail of a full batch never get a decode token.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs a token each step"
+            )
         return self

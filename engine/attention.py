@@ -10,7 +10,6 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 from kernels import reference
@@ -34,6 +33,9 @@ class AttentionBackend:
         self.store_kv = store.store_kv
         self.paged_decode_attention = decode.paged_decode_attention
         self.paged_prefill_attention = prefill.paged_prefill_attention
+        # A whole prompt with nothing cached before it has all its K/V in hand, so the torch
+        # path skips the gather from pages; the Triton kernels read pages at full speed anyway.
+        self.fresh_prompt_attention = reference.fresh_prompt_attention if name == "torch" else None
 
 
 def paged_attention(
@@ -53,16 +55,8 @@ def paged_attention(
         return backend.paged_decode_attention(
             query, k_cache, v_cache, batch.page_table, batch.context_lens, scale
         )
-    if num_decode == 0 and backend.name == "torch" and _is_fresh_single_prompt(batch):
-        # A whole prompt with nothing cached before it: its K/V are all in hand, so skip the
-        # gather from pages and let SDPA take its fast causal path.
-        num_heads = query.shape[1]
-        return F.scaled_dot_product_attention(
-            query.transpose(0, 1)[None],  # [1, h, T, d]: 4-D, or CPU SDPA takes its slow path
-            reference.expand_kv_heads(key.transpose(0, 1), num_heads)[None],
-            reference.expand_kv_heads(value.transpose(0, 1), num_heads)[None],
-            is_causal=True, scale=scale,
-        )[0].transpose(0, 1)
+    if backend.fresh_prompt_attention is not None and _is_fresh_single_prompt(batch):
+        return backend.fresh_prompt_attention(query, key, value, scale)
     out = torch.empty_like(query)
     if num_decode:
         out[:num_decode] = backend.paged_decode_attention(

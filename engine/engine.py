@@ -13,6 +13,8 @@ computed, and finished sequences release their pages exactly once.
 
 from __future__ import annotations
 
+import numbers
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +46,20 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)  # all so far, when params.logprobs
 
 
+def token_id_list(tokens: object) -> list[int]:
+    """Prompt token ids as a list of Python ints (lists, tuples, numpy or torch 1-D arrays);
+    ValueError for anything that is not a sequence of integers."""
+    if hasattr(tokens, "tolist"):  # numpy / torch arrays
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
+        raise ValueError(f"prompt token ids must be a list of integers, got {type(tokens).__name__}")
+    ids = list(tokens)
+    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if wrong:
+        raise ValueError(f"prompt token ids must be integers, got {wrong[:5]}")
+    return [int(t) for t in ids]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -52,11 +68,16 @@ class LLMEngine:
         backend_name = config.attention_backend
         if backend_name == "auto":
             backend_name = "triton" if config.device.startswith("cuda") else "torch"
+        if backend_name == "triton" and not config.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            # The interpreter can run the kernels on CPU, but only tests should choose that.
+            raise ValueError("attention_backend 'triton' needs device 'cuda' (or TRITON_INTERPRET=1 for tests)")
         self.model = load_model(self.model_path, dtype, config.device, AttentionBackend(backend_name))
         self.model_config = self.model.cfg
         self.tokenizer = load_tokenizer(self.model_path)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        model_len = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_len} tokens")
+        self.max_model_len = config.max_model_len or model_len
         num_pages = config.num_pages or KVCache.pages_for_budget(
             self.model_config, config.kv_cache_memory_bytes, config.page_size, dtype
         )
@@ -75,11 +96,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = list(prompt_token_ids)
+        ids = token_id_list(prompt_token_ids)
         if not ids:
             raise ValueError("prompt is empty: it must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt has token ids outside [0, {vocab}): {bad[:5]}")
         if len(ids) >= self.max_model_len:
@@ -88,7 +109,8 @@ class LLMEngine:
                 f"and at least one must be left to generate"
             )
         capacity = self.page_manager.num_pages * self.page_manager.page_size
-        needed = min(len(ids) + params.max_tokens, self.max_model_len)
+        # The last sampled token is returned, never fed back: its KV is not needed.
+        needed = min(len(ids) + params.max_tokens - 1, self.max_model_len)
         if needed > capacity:
             raise ValueError(
                 f"request needs up to {needed} tokens of KV cache (prompt {len(ids)} + max_tokens "

@@ -68,27 +68,42 @@ class ColumnParallelLinear(nn.Module):
         return slice(start, start + self.part_sizes[part])
 
     def load_weight(self, part: int, weight: torch.Tensor) -> None:
-        self.weight.data[self._rows(part)].copy_(self.ctx.shard(weight, 0))
+        copy_checked(self.weight.data[self._rows(part)], self.ctx.shard(weight, 0), "weight")
 
     def load_bias(self, part: int, bias: torch.Tensor) -> None:
         if self.bias is None:
             raise ValueError("checkpoint has a bias this layer was not built with")
-        self.bias.data[self._rows(part)].copy_(self.ctx.shard(bias, 0))
+        copy_checked(self.bias.data[self._rows(part)], self.ctx.shard(bias, 0), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T, W split along input features; partial sums are all-reduced across ranks."""
+    """y = x W^T (+ b), W split along input features; partial sums are all-reduced across
+    ranks, and the bias is added once, after the reduction."""
 
-    def __init__(self, in_features: int, out_features: int, ctx: ParallelContext) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext) -> None:
         super().__init__()
         self.ctx = ctx
         self.weight = nn.Parameter(torch.empty(out_features, in_features // ctx.tp_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
-    def load(self, weight: torch.Tensor) -> None:
-        self.weight.data.copy_(self.ctx.shard(weight, 1))
+    def load_weight(self, weight: torch.Tensor) -> None:
+        copy_checked(self.weight.data, self.ctx.shard(weight, 1), "weight")
+
+    def load_bias(self, bias: torch.Tensor) -> None:
+        if self.bias is None:
+            raise ValueError("checkpoint has a bias this layer was not built with")
+        copy_checked(self.bias.data, bias, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(F.linear(x, self.weight))
+        out = self.ctx.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    """copy_ that refuses to broadcast: a checkpoint tensor of the wrong shape is an error."""
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -10,6 +10,7 @@ A thin loop over LLMEngine: queue every prompt, step until all finish, collect p
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,7 +44,9 @@ class LLM:
     ) -> list[CompletionOutput]:
         """One output per prompt, in prompt order. Strings are tokenized with the model's
         tokenizer (adding its BOS as Hugging Face does); lists are taken as token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if hasattr(prompts, "tolist"):  # a numpy / torch array of token ids
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # a single prompt
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
@@ -61,12 +64,17 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while len(results) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update()
+        try:
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+                while len(results) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update()
+        finally:  # on an error (or Ctrl-C) nothing of this call stays queued
+            for request_id in ids:
+                if request_id not in results:
+                    self.engine.abort_request(request_id)
         collected = []
         for request_id, tokens, p in zip(ids, token_prompts, params_list):
             out = results[request_id]

@@ -34,11 +34,16 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
 
 
 def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files, in the order HF itself prefers: the single file, the
+    sharded index, then any other *.safetensors (but never Mistral's consolidated.* copy, which
+    holds the same weights under other names)."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("consolidated"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path} (pickled .bin checkpoints are not loaded)")
     return files

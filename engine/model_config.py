@@ -8,7 +8,7 @@ scheduler all read. An architecture we do not implement fails here, with its nam
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...]  # frozen dict of the HF rope_scaling block
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool  # Llama's attention_bias puts a bias on o_proj too; Qwen2's is qkv only
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -53,10 +54,25 @@ class ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
-        return ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+        cfg = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
+        # generate() stops on generation_config's eos ids, which chat models extend (e.g. an
+        # end-of-turn token): serve the same stop set.
+        gen_file = Path(path) / "generation_config.json"
+        if gen_file.is_file():
+            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+            extra = tuple(gen_eos) if isinstance(gen_eos, list) else (() if gen_eos is None else (gen_eos,))
+            cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+        return cfg
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        try:
+            return ModelConfig._from_hf_dict(cfg)
+        except KeyError as exc:
+            raise UnsupportedModelError(f"config.json lacks the required key {exc.args[0]!r}") from None
+
+    @staticmethod
+    def _from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or [cfg.get("model_type", "<missing>")]
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -70,7 +86,13 @@ class ModelConfig:
         num_kv_heads = cfg.get("num_key_value_heads") or num_heads
         if num_heads % num_kv_heads:
             raise UnsupportedModelError(f"num_attention_heads {num_heads} is not a multiple of {num_kv_heads}")
-        if family == "mistral" and cfg.get("sliding_window") and cfg["sliding_window"] < cfg["max_position_embeddings"]:
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not implemented (only silu)")
+        if cfg.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias=true is not implemented")
+        if family == "mistral" and cfg.get("sliding_window") and cfg["sliding_window"] < cfg.get(
+            "max_position_embeddings", 2048
+        ):
             raise UnsupportedModelError(f"sliding_window={cfg['sliding_window']} attention is not implemented")
         if family == "qwen2" and cfg.get("use_sliding_window"):
             raise UnsupportedModelError("Qwen2 use_sliding_window=true is not implemented")
@@ -94,6 +116,7 @@ class ModelConfig:
             rope_scaling=tuple(sorted(rope_params.items())),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

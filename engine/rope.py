@@ -35,7 +35,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
     # YaRN: interpolate low frequencies, extrapolate high ones, ramp between; cos/sin are then
     # scaled by an attention factor that grows with log(factor).
-    original = p["original_max_position_embeddings"]
+    original = p.get("original_max_position_embeddings") or max_pos
     factor = p.get("factor") or max_pos / original
 
     def mscale(scale: float, m: float = 1.0) -> float:
@@ -65,6 +65,21 @@ def _yarn_inv_freq(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tu
     return inv_freq, float(attention_factor)
 
 
+def _inv_freq(
+    rope_type: str, base: float, head_dim: int, scaling: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the cos/sin scale for one rope_scaling type."""
+    if rope_type == "default":
+        return _default_inv_freq(base, head_dim), 1.0
+    if rope_type == "linear":
+        return _default_inv_freq(base, head_dim) / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(_default_inv_freq(base, head_dim), scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(base, head_dim, scaling, max_positions)
+    raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not implemented")
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables indexed by absolute position."""
 
@@ -74,25 +89,17 @@ class RotaryEmbedding:
         max_positions: int,
         base: float,
         scaling: dict[str, Any],
-        device: torch.device | str = "cpu",
     ) -> None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        attention_factor = 1.0
-        if rope_type == "default":
-            inv_freq = _default_inv_freq(base, head_dim)
-        elif rope_type == "linear":
-            inv_freq = _default_inv_freq(base, head_dim) / scaling["factor"]
-        elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(_default_inv_freq(base, head_dim), scaling)
-        elif rope_type == "yarn":
-            inv_freq, attention_factor = _yarn_inv_freq(base, head_dim, scaling, max_positions)
-        else:
-            raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not implemented")
+        try:
+            inv_freq, attention_factor = _inv_freq(rope_type, base, head_dim, scaling, max_positions)
+        except KeyError as exc:
+            raise UnsupportedModelError(f"rope_scaling {rope_type!r} lacks the key {exc.args[0]!r}") from None
         positions = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * attention_factor).to(device)  # [max_positions, head_dim]
-        self.sin = (emb.sin() * attention_factor).to(device)
+        self.cos = emb.cos() * attention_factor  # [max_positions, head_dim], on the default device
+        self.sin = emb.sin() * attention_factor
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for a step's positions, [num_tokens, 1, head_dim] each; looked up once

@@ -13,6 +13,7 @@ No waiting sequence is admitted in a step that preempted: pages are short.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -90,14 +91,17 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.pages.acquire(hits)
-            self.pages.record_lookup(seq.num_tokens, num_cached)
+            if seq.num_preemptions == 0:  # the hit rate is about prompts, not re-admissions
+                self.pages.record_lookup(seq.num_prompt_tokens, num_cached)
             seq.page_table = hits + self.pages.allocate(need)
             seq.page_hashes = hit_hashes
             seq.num_computed_tokens = num_cached
             # A re-admission may also hit its own generated tokens; count only the prompt's.
             seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            # `running` stays in arrival order, so its tail is always the newest request: the
+            # preemption victim. A re-admitted old request goes back to its place, not the end.
+            bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out

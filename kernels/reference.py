@@ -86,6 +86,23 @@ def paged_decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+def fresh_prompt_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], one whole prompt
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of one prompt over itself, from the K/V in hand (no cached context)."""
+    num_heads = query.shape[1]
+    return F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],  # [1, h, T, d]: 4-D, or CPU SDPA takes its slow path
+        expand_kv_heads(key.transpose(0, 1), num_heads)[None],
+        expand_kv_heads(value.transpose(0, 1), num_heads)[None],
+        is_causal=True,
+        scale=scale,
+    )[0].transpose(0, 1)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed back to back
     k_cache: torch.Tensor,

@@ -18,7 +18,7 @@ from torch import nn
 from engine.attention import AttentionBackend, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear
+from engine.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear, copy_checked
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
 
@@ -33,7 +33,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, ctx)
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, ctx)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, cfg.o_bias, ctx)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache,
@@ -56,7 +56,7 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], False, ctx
         )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, ctx)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -82,7 +82,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head_weight: torch.Tensor | None = None  # None = tied to embed_tokens
+        # Tied checkpoints reuse the embedding as the output projection.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if self.lm_head is not None:
+            self.lm_head.weight.requires_grad_(False)
+        # Built on the default device, which the loader sets to the engine's device.
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling_dict
         )
@@ -104,48 +108,46 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_sampled, vocab]
-        weight = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads HF-named tensors; fails naming any tensor the model has no place for or lacks."""
+        """Loads HF-named tensors; fails naming any tensor the model has no place for, lacks,
+        or has in another shape."""
         params = dict(self.named_parameters())
-        expected = {n for n in params if not n.endswith(".bias")}
         seen: set[str] = set()
-        qkv_parts = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
         for name, tensor in tensors:
             name = name.removeprefix("model.")
-            if name == "lm_head.weight":
-                if not self.cfg.tie_word_embeddings:
-                    self.lm_head_weight = tensor.to(self.embed_tokens.weight.dtype).contiguous()
-                continue
-            if "rotary_emb" in name:
-                continue
-            parts = name.split(".")
-            if parts[0] == "layers" and parts[3] in qkv_parts:
-                layer = self.layers[int(parts[1])].self_attn.qkv_proj
-                part = qkv_parts[parts[3]]
-                if parts[4] == "weight":
-                    layer.load_weight(part, tensor)
-                else:
-                    layer.load_bias(part, tensor)
-                seen.add(f"layers.{parts[1]}.self_attn.qkv_proj.{parts[4]}")
-            elif parts[0] == "layers" and parts[3] in ("gate_proj", "up_proj"):
-                layer = self.layers[int(parts[1])].mlp.gate_up_proj
-                layer.load_weight(0 if parts[3] == "gate_proj" else 1, tensor)
-                seen.add(f"layers.{parts[1]}.mlp.gate_up_proj.weight")
-            elif parts[0] == "layers" and parts[3] in ("o_proj", "down_proj"):
-                target = f"layers.{parts[1]}.{parts[2]}.{parts[3]}"
-                self.get_submodule(target).load(tensor)
-                seen.add(name)
-            elif name in params:
-                params[name].data.copy_(tensor)
-                seen.add(name)
-            else:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue  # recomputed / tied: some checkpoints still store them
+            parts = name.split(".")  # layers.<i>.<block>.<proj>.<weight|bias>
+            if len(parts) == 5 and parts[0] == "layers" and parts[4] in ("weight", "bias"):
+                layer, proj, kind = self.layers[int(parts[1])], parts[3], parts[4]
+                if proj in _FUSED:
+                    fused_name, part = _FUSED[proj]
+                    module = layer.get_submodule(fused_name)
+                    (module.load_weight if kind == "weight" else module.load_bias)(part, tensor)
+                    seen.add(f"layers.{parts[1]}.{fused_name}.{kind}")
+                    continue
+                if proj in ("o_proj", "down_proj"):
+                    module = layer.get_submodule(f"{parts[2]}.{proj}")
+                    (module.load_weight if kind == "weight" else module.load_bias)(tensor)
+                    seen.add(name)
+                    continue
+            if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.architecture}")
-        missing = expected - seen
+            copy_checked(params[name].data, tensor, name)
+            seen.add(name)
+        missing = set(params) - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        if not self.cfg.tie_word_embeddings and self.lm_head_weight is None:
-            raise ValueError("config says untied embeddings but the checkpoint has no lm_head.weight")
 
+
+# HF projections that this model stores fused: name -> (fused module, part index).
+_FUSED = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+}

@@ -90,16 +90,24 @@ def test_stop_token_and_eos(llm):
     [stopped] = llm.generate("for i in range(10):", SamplingParams(max_tokens=30, stop_token_ids=[stop_at]))
     assert stopped.token_ids == free.token_ids[: first + 1]
     assert stopped.finish_reason == "stop"
-    # EOS: pretend the model's EOS is that token; without ignore_eos generation ends there.
-    engine = llm.engine
-    eos = engine.model_config.eos_token_ids
-    object.__setattr__(engine.model_config, "eos_token_ids", (stop_at,))
-    try:
-        [eos_out] = llm.generate("for i in range(10):", SamplingParams(max_tokens=30))
-        [ignored] = llm.generate("for i in range(10):", base)
-    finally:
-        object.__setattr__(engine.model_config, "eos_token_ids", eos)
-    assert eos_out.token_ids == stopped.token_ids and eos_out.finish_reason == "stop"
+
+
+def test_eos_from_generation_config_stops_like_hf(llm, tiny_dir, tmp_path):
+    # Chat models add end-of-turn ids in generation_config.json; HF generate() stops on them.
+    import json
+    import shutil
+
+    [free] = llm.generate("for i in range(10):", SamplingParams(max_tokens=30, ignore_eos=True))
+    end_of_turn = free.token_ids[5]
+    for f in tiny_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, end_of_turn]}))
+    chat = LLM(str(tmp_path))
+    assert chat.engine.model_config.eos_token_ids == (1, end_of_turn)
+    [stopped] = chat.generate("for i in range(10):", SamplingParams(max_tokens=30))
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(end_of_turn) + 1]
+    assert stopped.finish_reason == "stop"
+    [ignored] = chat.generate("for i in range(10):", SamplingParams(max_tokens=30, ignore_eos=True))
     assert ignored.token_ids == free.token_ids
 
 
@@ -114,6 +122,56 @@ def test_seeded_sampling_is_reproducible_across_batches(llm):
     assert other_seed.token_ids != alone.token_ids
     [greedy] = llm.generate("import sys", SamplingParams(max_tokens=20, ignore_eos=True))
     assert alone.token_ids != greedy.token_ids
+
+
+def test_abort_of_waiting_and_preempted_requests_frees_pages():
+    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, num_pages=12, max_num_seqs=2,
+                                    max_num_batched_tokens=64))
+    for i in range(4):
+        engine.add_request(f"r{i}", [0] + list(range(10 + i, 30 + i)), SamplingParams(max_tokens=40))
+    engine.step()  # r0, r1 running; r2, r3 waiting
+    assert engine.abort_request("r3")  # waiting, never admitted
+    preempted = None
+    while preempted is None and engine.has_unfinished_requests():
+        engine.step()
+        waiting = [s for s in engine.scheduler.waiting if s.num_preemptions]
+        preempted = waiting[0].request_id if waiting else None
+    assert preempted is not None, "the page budget should force a preemption"
+    assert engine.abort_request(preempted)
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = [s.arrival_index for s in engine.scheduler.running]
+        assert running == sorted(running)  # the newest is always the preemption victim
+    assert_no_page_leak(engine)
+
+
+def test_exact_fit_and_context_limits():
+    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, num_pages=4))
+    # 16 prompt + 17 generated: the 17th is returned, never computed, so 32 slots suffice.
+    engine.add_request("fit", list(range(3, 19)), SamplingParams(max_tokens=17, ignore_eos=True))
+    with pytest.raises(ValueError, match="needs up to 33 tokens of KV cache"):
+        engine.add_request("over", list(range(3, 19)), SamplingParams(max_tokens=18))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs[-1].token_ids) == 17 and outs[-1].finish_reason.value == "length"
+    assert_no_page_leak(engine)
+    with pytest.raises(ValueError, match="max_model_len=4096 exceeds the model's context of 2048"):
+        LLMEngine(EngineConfig(model="builtin:tiny", max_model_len=4096))
+
+
+def test_array_prompts_are_token_ids(llm):
+    import numpy as np
+    import torch
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    ids = llm.engine.encode("while True:")
+    [expected] = llm.generate(ids, params)
+    [from_numpy] = llm.generate([np.array(ids)], params)
+    [from_torch] = llm.generate(torch.tensor(ids), params)
+    assert from_numpy.token_ids == from_torch.token_ids == expected.token_ids
+    with pytest.raises(ValueError, match="prompt token ids must be integers"):
+        llm.generate([[0, 1.5]], params)
 
 
 def test_abort_mid_flight_frees_pages():
@@ -138,3 +196,11 @@ def test_cli_complete_streams_text():
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "complete", "x", "--top-p", "2"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
+
+
+def test_cli_model_build_refuses_a_file_as_output(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "model", "build", "builtin:tiny", "--out", str(target)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "is not a directory" in proc.stderr

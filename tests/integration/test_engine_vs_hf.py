@@ -70,7 +70,7 @@ def test_staggered_batch_of_mixed_lengths_matches_hf(hf_tiny):
 
 
 def test_chunked_prefill_matches_hf(hf_tiny):
-    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=16, max_num_batched_tokens=48))
+    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=16, max_num_batched_tokens=48, max_num_seqs=8))
     prompts = {"long": prompt_ids(engine, 301, 1), "longer": prompt_ids(engine, 450, 2)}
     finished = run_to_completion(engine, {0: list(prompts.items())})
     # 751 prompt tokens under a 48-token budget need at least 16 prefill steps.

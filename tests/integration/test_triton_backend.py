@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter on CPU")
 def test_engine_on_triton_kernels_matches_hf(hf_tiny):
     engine = LLMEngine(EngineConfig(model="builtin:tiny", attention_backend="triton", page_size=8,
-                                    max_num_batched_tokens=24))
+                                    max_num_batched_tokens=24, max_num_seqs=8))
     prompts = {"a": [0] + list(range(40, 70)), "b": [0] + list(range(40, 56)) + [7, 8, 9], "c": [0, 11]}
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     finished = {}
@@ -40,4 +40,4 @@ def test_engine_on_triton_kernels_matches_hf(hf_tiny):
 def test_triton_backend_is_refused_on_cpu_outside_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="attention_backend 'triton' needs device 'cuda'"):
-        EngineConfig(attention_backend="triton")
+        LLMEngine(EngineConfig(attention_backend="triton"))

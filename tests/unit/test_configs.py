@@ -105,14 +105,10 @@ def test_hashable_and_equal_by_value():
     assert EngineConfig(page_size=8) != EngineConfig(page_size=16)
 
 
-def test_triton_backend_needs_cuda(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="triton"):
-        EngineConfig(attention_backend="triton", device="cpu")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert EngineConfig(attention_backend="triton", device="cpu").attention_backend == "triton"
-    monkeypatch.delenv("TRITON_INTERPRET")
-    assert EngineConfig(attention_backend="triton", device="cuda:0").device == "cuda:0"
+def test_budget_must_cover_every_running_sequence():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
+        EngineConfig(max_num_batched_tokens=8, max_num_seqs=16)
+    assert EngineConfig(max_num_batched_tokens=16, max_num_seqs=16).max_num_seqs == 16
 
 
 @pytest.mark.parametrize(
