@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from configs.engine import EngineConfig
-from engine.engine import LLMEngine, RequestOutput
+from engine.engine import LLMEngine, RequestOutput, token_id_list
 from engine.sampling_params import SamplingParams
 
 
@@ -51,7 +51,7 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-        token_prompts = [self.engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_prompts = [self.engine.encode(p) if isinstance(p, str) else token_id_list(p) for p in prompts]
         ids = []
         try:
             for tokens, p in zip(token_prompts, params_list):
