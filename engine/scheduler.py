@@ -13,7 +13,6 @@ No waiting sequence is admitted in a step that preempted: pages are short.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -99,9 +98,10 @@ class Scheduler:
             # A re-admission may also hit its own generated tokens; count only the prompt's.
             seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
-            # `running` stays in arrival order, so its tail is always the newest request: the
-            # preemption victim. A re-admitted old request goes back to its place, not the end.
-            bisect.insort(self.running, seq, key=lambda s: s.arrival_index)
+            # `running` stays in arrival order (its tail, the newest, is the preemption victim)
+            # with a plain append: victims are taken newest first and re-admitted oldest first,
+            # so a re-admitted sequence is always newer than everything still running.
+            self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
