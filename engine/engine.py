@@ -22,6 +22,7 @@ import torch
 from configs.engine import EngineConfig
 from engine.attention import AttentionBackend
 from engine.kv_cache import KVCache
+from engine.kv_handoff import KVHandoff
 from engine.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.page_manager import PageManager
@@ -85,13 +86,25 @@ class LLMEngine:
         self.page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.page_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.handoff = KVHandoff(self.page_manager)  # KV crossing engines (disaggregation)
         self._seqs: dict[str, Sequence] = {}
         self._num_arrivals = 0
         self.num_steps = 0
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Validates and queues a request; raises ValueError (and queues nothing) on bad input."""
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hold_kv: bool = False
+    ) -> None:
+        """Validates and queues a request; raises ValueError (and queues nothing) on bad input.
+        With `hold_kv`, the request's pages outlive it for a KV transfer (see `held_kv`)."""
+        if request_id in self.handoff:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.hold_kv = hold_kv
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
@@ -118,16 +131,39 @@ class LLMEngine:
             )
         seq = Sequence(request_id, ids, params, self._num_arrivals, self.max_model_len)
         self._num_arrivals += 1
+        return seq
+
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token: int, params: SamplingParams
+    ) -> RequestOutput | None:
+        """Joins a request whose prompt KV was written into its reservation (and whose first
+        token was sampled by the prefill side) to the decode batch. Returns its output at once
+        if the first token already ends it (EOS, stop token, max_tokens=1)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        res = self.handoff.reservation(request_id)
+        if res.num_tokens != seq.num_prompt_tokens:
+            raise ValueError(f"reservation covers {res.num_tokens} tokens, the prompt has {seq.num_prompt_tokens}")
+        self.handoff.take(request_id)
+        seq.page_table, seq.page_hashes = list(res.page_ids), list(res.page_hashes)
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = seq.num_prompt_tokens
+        seq.token_ids.append(int(first_token))
         self._seqs[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add_running(seq)
+        reason = self._stop_reason(seq, int(first_token))
+        if reason is None:
+            return None
+        self._finish(seq, reason)
+        return RequestOutput(request_id, [], [], True, reason, seq.num_prompt_tokens,
+                             seq.num_cached_prompt_tokens, seq.output_token_ids, [])
 
     def abort_request(self, request_id: str) -> bool:
-        """Ends a request now and frees its pages; False if it is unknown or already finished."""
+        """Ends a request now and frees its pages (also held KV and reservations); False if
+        it holds nothing here."""
         seq = self._seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.finish(seq, FinishReason.ABORT)
-        return True
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            return True
+        return self.handoff.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -151,8 +187,7 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self._seqs[seq.request_id]
+                self._finish(seq, reason)
             outputs.append(RequestOutput(
                 request_id=seq.request_id,
                 new_token_ids=[token],
@@ -165,6 +200,12 @@ class LLMEngine:
                 logprobs=list(seq.logprobs),
             ))
         return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        kept = self.scheduler.finish(seq, reason, keep_pages=seq.hold_kv)
+        if seq.hold_kv:
+            self.handoff.hold(seq.request_id, kept, seq.num_computed_tokens)
+        del self._seqs[seq.request_id]
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

@@ -39,6 +39,21 @@ class KVCache:
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]
 
+    def read_pages(self, page_ids: list[int]) -> torch.Tensor:
+        """A copy of these pages across all layers: [2 (k, v), num_layers, n, page_size, kvh, d]."""
+        index = torch.tensor(page_ids, dtype=torch.int64, device=self.k[0].device)
+        return torch.stack([torch.stack([t.index_select(0, index) for t in side]) for side in (self.k, self.v)])
+
+    def write_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
+        """Writes `read_pages` output (from another cache of the same geometry) into these pages."""
+        expected = (2, len(self.k), len(page_ids), *self.k[0].shape[1:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
+        index = torch.tensor(page_ids, dtype=torch.int64, device=self.k[0].device)
+        for side, tensors in enumerate((self.k, self.v)):
+            for layer, t in enumerate(tensors):
+                t.index_copy_(0, index, data[side, layer].to(device=t.device, dtype=t.dtype))
+
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -110,19 +110,32 @@ class Scheduler:
         """Advances progress of every scheduled sequence and registers its newly full pages."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self._register_full_pages(s.seq)
+            self.register_full_pages(s.seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Moves a sequence to its terminal state and releases its pages (exactly once)."""
+    def finish(self, seq: Sequence, reason: FinishReason, keep_pages: bool = False) -> list[int]:
+        """Moves a sequence to its terminal state and releases its pages (exactly once). With
+        `keep_pages`, the pages stay referenced and are returned: the caller now owns them
+        (a prefill worker holding KV until its transfer ends)."""
         if seq.is_finished:
-            return
+            return []
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self._release_pages(seq)
+        kept = list(seq.page_table) if keep_pages else []
+        if keep_pages:
+            seq.page_table, seq.page_hashes = [], []
+        else:
+            self._release_pages(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        return kept
+
+    def add_running(self, seq: Sequence) -> None:
+        """Joins a sequence whose KV is already in its pages (computed elsewhere) to the batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)  # newest arrival: arrival order holds
+        self.register_full_pages(seq)
 
     # -- helpers ----------------------------------------------------------------------------
     def _pages_needed(self, seq: Sequence, num_new: int) -> int:
@@ -148,7 +161,7 @@ class Scheduler:
         seq.page_table = []
         seq.page_hashes = []
 
-    def _register_full_pages(self, seq: Sequence) -> None:
+    def register_full_pages(self, seq: Sequence) -> None:
         if not self.pages.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.page_size

@@ -45,6 +45,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    hold_kv: bool = False  # on finish, keep the pages for a KV transfer (prefill role)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
