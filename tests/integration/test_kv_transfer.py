@@ -1,0 +1,162 @@
+"""KV transfer between two engines over each transport: pages streamed in chunks land in the
+decode engine's reservation and decoding matches Hugging Face; every failure mode ends in its
+one terminal state, and no page stays referenced on either side."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from configs import EngineConfig
+from engine import LLMEngine, SamplingParams
+from engine.kv_transfer import KVReceiver, KVSender, TransferState, TransportError, poll
+from engine.kv_transfer.inproc import InProcChannel
+from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
+from tests.helpers import assert_no_page_leak, hf_greedy
+
+GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(params=["inproc", "zmq"])
+def link(request):
+    """(frame sender, frame receiver, channel or None) for one transport."""
+    if request.param == "inproc":
+        channel = InProcChannel()
+        yield channel.sender, channel.receiver, channel
+        return
+    receiver = ZmqFrameReceiver("127.0.0.1", 0)
+    sender = ZmqFrameSender(receiver.address, send_timeout_s=2.0)
+    yield sender, receiver, None
+    sender.close()
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    prefill = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4, max_num_batched_tokens=64, max_num_seqs=8))
+    decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4))
+    return prefill, decode
+
+
+def prefill_first_token(prefill: LLMEngine, request_id: str, prompt: list[int]) -> int:
+    prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    first = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            first = out.new_token_ids[0]
+    return first
+
+
+def wait_outcome(receiver: KVReceiver, transport, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        outcomes = poll(receiver, transport, 0.05)
+        if outcomes:
+            return outcomes
+    raise AssertionError("no transfer outcome")
+
+
+def test_streamed_pages_decode_like_hf(link, pair, hf_tiny):
+    frame_sender, frame_receiver, _ = link
+    prefill, decode = pair
+    sender = KVSender(frame_sender, checksum=True)
+    receiver = KVReceiver(decode.kv_cache)
+    base = [0] + list(range(200, 230))
+    skipped = {}
+    for request_id, prompt in {"x": base, "y": base[:13] + [3, 4, 5, 6, 7]}.items():
+        res = decode.handoff.reserve(request_id, prompt)
+        skip = skipped[request_id] = res.num_cached_pages
+        receiver.expect(request_id, list(res.page_ids[skip:]), timeout_s=10)
+        first = prefill_first_token(prefill, request_id, prompt)
+        held = prefill.handoff.held(request_id).page_ids[skip:]
+        sender.begin(request_id, timeout_s=10)
+        for i in range(0, len(held), 3):  # three pages a frame: streamed, not one blob
+            sender.send_pages(request_id, i, prefill.kv_cache.read_pages(list(held[i : i + 3])))
+        assert sender.finish(request_id) is TransferState.DONE
+        prefill.handoff.release(request_id)
+        [outcome] = wait_outcome(receiver, frame_receiver)
+        assert outcome.state is TransferState.DONE, outcome
+        decode.add_prefilled_request(request_id, prompt, first, GREEDY)
+    assert skipped == {"x": 0, "y": 3}  # "y" shares x's first 3 pages: only the rest was sent
+    finished = {}
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["x"].token_ids == hf_greedy(hf_tiny, base, 16)[0]
+    assert finished["y"].token_ids == hf_greedy(hf_tiny, base[:13] + [3, 4, 5, 6, 7], 16)[0]
+    decode.page_manager.reset_prefix_cache()
+    assert_no_page_leak(prefill)
+    assert_no_page_leak(decode)
+
+
+def test_corrupted_page_fails_the_transfer():
+    channel = InProcChannel()
+    prefill = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4))
+    decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4))
+    prompt = [0] + list(range(50, 60))
+    res = decode.handoff.reserve("r", prompt)
+    receiver = KVReceiver(decode.kv_cache)
+    receiver.expect("r", list(res.page_ids), timeout_s=10)
+    prefill_first_token(prefill, "r", prompt)
+    sender = KVSender(channel.sender, checksum=True)
+    sender.begin("r", timeout_s=10)
+    channel.corrupt_next_payload = True
+    sender.send_pages("r", 0, prefill.kv_cache.read_pages(list(prefill.handoff.held("r").page_ids)))
+    assert sender.finish("r") is TransferState.DONE  # the sender cannot know
+    prefill.handoff.release("r")
+    [outcome] = wait_outcome(receiver, channel.receiver)
+    assert outcome.state is TransferState.FAILED and "checksum mismatch" in outcome.detail
+    decode.handoff.cancel("r")
+    assert receiver.num_pending == 0
+    assert_no_page_leak(prefill)
+    assert_no_page_leak(decode)
+
+
+def test_expired_aborted_incomplete_and_stray(link, pair):
+    frame_sender, frame_receiver, _ = link
+    _, decode = pair
+    receiver = KVReceiver(decode.kv_cache)
+    sender = KVSender(frame_sender)
+    pages = decode.page_manager.allocate(2)
+    receiver.expect("slow", pages[:1], timeout_s=0.05)
+    receiver.expect("gone", pages[1:], timeout_s=10)
+    sender.begin("gone", timeout_s=10)
+    assert sender.abort("gone", "prefill worker died") is TransferState.ABORTED
+    time.sleep(0.1)
+    outcomes = {o.request_id: o for o in wait_outcome(receiver, frame_receiver)}
+    outcomes.update({o.request_id: o for o in receiver.collect()})
+    assert outcomes["slow"].state is TransferState.EXPIRED
+    assert outcomes["gone"].state is TransferState.ABORTED and outcomes["gone"].detail == "prefill worker died"
+    # done before every page arrived is a failure, not a success
+    receiver.expect("short", pages, timeout_s=10)
+    sender.begin("short", timeout_s=10)
+    sender.send_pages("short", 0, decode.kv_cache.read_pages(pages[:1]))
+    assert sender.finish("short") is TransferState.DONE
+    [outcome] = wait_outcome(receiver, frame_receiver)
+    assert outcome.state is TransferState.FAILED and "done after 1 of 2 pages" in outcome.detail
+    # frames for a transfer that already ended are counted and dropped
+    sender.begin("short", timeout_s=10)
+    sender.send_pages("short", 0, decode.kv_cache.read_pages(pages[:1]))
+    time.sleep(0.1)
+    assert poll(receiver, frame_receiver, 0.5) == [] and receiver.num_stray_frames == 1
+    sender.abort("short", "cleanup")
+    decode.page_manager.release(pages)
+
+
+def test_zmq_send_without_a_receiver_fails_fast():
+    import socket
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    frames = ZmqFrameSender(address, send_timeout_s=0.2)
+    sender = KVSender(frames)
+    sender.begin("r", timeout_s=5)
+    import torch
+
+    with pytest.raises(TransportError, match="send timed out"):
+        sender.send_pages("r", 0, torch.zeros(2, 1, 1, 4, 1, 8))
+    assert sender.abort("r", "no receiver") is TransferState.ABORTED
+    frames.close()
