@@ -1,1 +1,1 @@
-"""Wire contracts between processes (.proto files and generated code arrive with the disaggregation issue)."""
+"""Wire contracts: pdserve.proto (the public gRPC API) and its generated, committed Python code."""
