@@ -4,6 +4,7 @@ Every process reads its settings from these models; nothing mutates a config aft
 Imports nothing from the project.
 """
 
-from configs.engine import EngineConfig
+from configs.cluster import ClusterConfig, ConfigError, load_cluster_config
+from configs.engine import EngineConfig, EngineSettings
 
-__all__ = ["EngineConfig"]
+__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "EngineSettings", "load_cluster_config"]

@@ -11,10 +11,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class EngineConfig(BaseModel):
+class EngineSettings(BaseModel):
+    """Everything about one engine except which model it serves (a cluster's pools share the
+    model and differ in these)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    model: str = Field("builtin:tiny", description="'builtin:tiny', 'builtin:small' or a local HF directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
@@ -30,7 +32,7 @@ class EngineConfig(BaseModel):
     cache_dir: str | None = Field(None, description="where built-in models are written; default ~/.cache/pdserve")
 
     @model_validator(mode="after")
-    def _check_budgets(self) -> "EngineConfig":
+    def _check_budgets(self) -> "EngineSettings":
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise the sequences at the tail of a full batch never get a decode token.
             raise ValueError(
@@ -38,3 +40,7 @@ class EngineConfig(BaseModel):
                 f"({self.max_num_seqs}): every running sequence needs a token each step"
             )
         return self
+
+
+class EngineConfig(EngineSettings):
+    model: str = Field("builtin:tiny", description="'builtin:tiny', 'builtin:small' or a local HF directory")

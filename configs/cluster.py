@@ -1,0 +1,125 @@
+"""The cluster a user launches from one YAML file: model, router, worker pools, KV transfer, Ray.
+
+Read by the composition root (cluster/) when `pdserve up CONFIG.yaml` runs; every process gets
+its part of this tree. Strict and frozen: an unknown key, a wrong type or an impossible
+combination fails at load with the key's dotted path named (`load_cluster_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from configs.engine import EngineConfig, EngineSettings
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class RouterConfig(_Strict):
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(50051, ge=1, le=65535)
+    http_port: int | None = Field(None, ge=1, le=65535, description="OpenAI-compatible HTTP; None = off")
+    max_queued_requests: int = Field(256, ge=1, description="admission bound: beyond it, RESOURCE_EXHAUSTED")
+    policy: Literal["least_loaded", "prefix_affinity"] = "prefix_affinity"
+
+
+class PoolConfig(_Strict):
+    num_workers: int = Field(1, ge=1)
+    num_cpus_per_worker: float = Field(1.0, gt=0)
+    num_gpus_per_worker: float = Field(0.0, ge=0)
+    base_port: int = Field(ge=1, le=65535, description="worker i listens on base_port + i")
+    engine: EngineSettings = EngineSettings()
+
+
+class KVTransferConfig(_Strict):
+    transport: Literal["zmq", "torch_dist"] = "zmq"
+    timeout_s: float = Field(30.0, gt=0, description="deadline of one transfer")
+    reservation_lease_s: float = Field(30.0, gt=0, description="decode pages wait this long for their KV")
+    checksum: bool = False
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="existing cluster ('auto' or host:port); None = embedded")
+    namespace: str = "pdserve"
+
+
+class ClusterConfig(_Strict):
+    model: str
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    router: RouterConfig = RouterConfig()
+    prefill: PoolConfig | None = None
+    decode: PoolConfig | None = None
+    colocated: PoolConfig | None = None
+    kv_transfer: KVTransferConfig = KVTransferConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> "ClusterConfig":
+        if self.mode == "disaggregated":
+            if self.prefill is None or self.decode is None:
+                raise ValueError("mode 'disaggregated' needs both 'prefill' and 'decode' pools")
+            if self.colocated is not None:
+                raise ValueError("'colocated' pool given in mode 'disaggregated': remove it or set mode: colocated")
+            if self.prefill.engine.page_size != self.decode.engine.page_size:
+                raise ValueError("prefill.engine.page_size and decode.engine.page_size must be equal: "
+                                 "KV moves page by page")
+            if self.prefill.engine.dtype != self.decode.engine.dtype:
+                raise ValueError("prefill.engine.dtype and decode.engine.dtype must be equal: KV bytes are copied")
+        else:
+            if self.colocated is None:
+                raise ValueError("mode 'colocated' needs a 'colocated' pool")
+            if self.prefill is not None or self.decode is not None:
+                raise ValueError("'prefill'/'decode' pools given in mode 'colocated': set mode: disaggregated")
+        self._check_ports()
+        return self
+
+    def _check_ports(self) -> None:
+        used: dict[int, str] = {self.router.grpc_port: "router.grpc_port"}
+        if self.router.http_port is not None:
+            used.setdefault(self.router.http_port, "router.http_port")
+            if used[self.router.http_port] != "router.http_port":
+                raise ValueError(f"router.http_port {self.router.http_port} is also router.grpc_port")
+        for name in ("prefill", "decode", "colocated"):
+            pool: PoolConfig | None = getattr(self, name)
+            if pool is None:
+                continue
+            for i in range(pool.num_workers):
+                port = pool.base_port + i
+                if port > 65535:
+                    raise ValueError(f"{name}.base_port + num_workers runs past port 65535")
+                if port in used:
+                    raise ValueError(f"port {port} of {name} worker {i} is also {used[port]}")
+                used[port] = f"{name} worker {i}"
+
+    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+        """The full engine config a worker of `pool` runs with."""
+        return EngineConfig(model=self.model, **pool.engine.model_dump())
+
+
+class ConfigError(ValueError):
+    """A cluster YAML that cannot be used; the message names the file and the offending keys."""
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(part) for part in err["loc"]) or "(top level)"
+            lines.append(f"  {where}: {err['msg'].removeprefix('Value error, ')}")
+        raise ConfigError(f"{path}: invalid cluster config\n" + "\n".join(lines)) from None

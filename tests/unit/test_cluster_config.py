@@ -1,0 +1,98 @@
+"""The cluster YAML schema: the shipped examples load, and each kind of mistake is rejected
+with the offending key named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from configs import ClusterConfig, ConfigError, EngineConfig, load_cluster_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_there_are_examples():
+    assert {p.name for p in EXAMPLES} >= {"local.yaml", "colocated.yaml", "gpu.yaml"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_load(path):
+    cfg = load_cluster_config(path)
+    pools = [p for p in (cfg.prefill, cfg.decode, cfg.colocated) if p is not None]
+    assert pools
+    for pool in pools:
+        engine = cfg.engine_config(pool)
+        assert isinstance(engine, EngineConfig) and engine.model == cfg.model
+
+
+def test_local_example_is_one_prefill_one_decode_on_the_tiny_model():
+    cfg = load_cluster_config(REPO / "configs" / "local.yaml")
+    assert cfg.model == "builtin:tiny" and cfg.mode == "disaggregated"
+    assert cfg.prefill.num_workers == cfg.decode.num_workers == 1
+    assert cfg.engine_config(cfg.decode).device == "cpu"
+
+
+def base() -> dict:
+    return yaml.safe_load((REPO / "configs" / "local.yaml").read_text())
+
+
+def edit(path: str, value):
+    cfg = base()
+    *parents, last = path.split(".")
+    node = cfg
+    for key in parents:
+        node = node.setdefault(key, {})
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return cfg
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (edit("router.grpc_portt", 1), r"router\.grpc_portt: Extra inputs are not permitted"),
+        (edit("prefill.engine.page_siz", 8), r"prefill\.engine\.page_siz: Extra inputs are not permitted"),
+        (edit("decode.num_workers", "2"), r"decode\.num_workers: Input should be a valid integer"),
+        (edit("decode.num_workers", 0), r"decode\.num_workers: Input should be greater than or equal to 1"),
+        (edit("router.grpc_port", 70000), r"router\.grpc_port: Input should be less than or equal to 65535"),
+        (edit("kv_transfer.transport", "carrier-pigeon"), r"kv_transfer\.transport: Input should be 'zmq' or"),
+        (edit("model", DELETE), r"model: Field required"),
+        (edit("decode", DELETE), "needs both 'prefill' and 'decode' pools"),
+        (edit("mode", "colocated"), "mode 'colocated' needs a 'colocated' pool"),
+        (edit("decode.engine.page_size", 32), "page_size must be equal"),
+        (edit("decode.base_port", 52100), "port 52100 of decode worker 0 is also prefill worker 0"),
+        (edit("router.grpc_port", 52200), "port 52200 of decode worker 0 is also router.grpc_port"),
+        (edit("decode.engine.max_num_seqs", 4096), r"max_num_batched_tokens \(2048\) must be >= max_num_seqs"),
+    ],
+)
+def test_mistakes_are_rejected_naming_the_key(tmp_path, cfg, message):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=message) as info:
+        load_cluster_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_unreadable_files_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_cluster_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_cluster_config(tmp_path / "list.yaml")
+    (tmp_path / "bad.yaml").write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_cluster_config(tmp_path / "bad.yaml")
+
+
+def test_config_is_frozen():
+    cfg = ClusterConfig.model_validate(base())
+    with pytest.raises(Exception, match="frozen"):
+        cfg.router.grpc_port = 1  # type: ignore[misc]
