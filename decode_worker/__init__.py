@@ -1,1 +1,1 @@
-"""Decode worker: reserves pages, receives KV, runs the continuously batched decode loop (arrives with the disaggregation issue)."""
+"""Decode worker: reserves pages, receives KV, runs the continuously batched decode loop; also the colocated role."""

@@ -215,6 +215,15 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
+    def computed_kv(self, request_id: str) -> tuple[list[int], int]:
+        """Pages of a running or held request and how many of its tokens have KV in them, so
+        a prefill worker can ship pages as chunks complete instead of after the whole prompt."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            return list(seq.page_table), seq.num_computed_tokens
+        held = self.handoff.held(request_id)
+        return list(held.page_ids), held.num_tokens
+
     # -- introspection (tests, metrics) -------------------------------------------------------
     def page_stats(self) -> dict[str, int]:
         pm = self.page_manager

@@ -68,6 +68,9 @@ class KVHandoff:
             raise ValueError(f"request id {request_id!r} already holds pages here")
         page_size = self.pages.page_size
         num_tokens = len(prompt_token_ids)
+        if -(-num_tokens // page_size) > self.pages.num_pages:
+            raise ValueError(f"a prompt of {num_tokens} tokens needs more KV pages than this cache has "
+                             f"({self.pages.num_pages} of {page_size} tokens)")
         hashes = hash_full_pages(list(prompt_token_ids), page_size)
         hits = self.pages.match_prefix(hashes)
         need = -(-num_tokens // page_size) - len(hits)

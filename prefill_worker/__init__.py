@@ -1,1 +1,1 @@
-"""Prefill worker: admits prompts, runs chunked prefill, ships KV to decode (arrives with the disaggregation issue)."""
+"""Prefill worker: admits prompts, runs chunked prefill, sends the first token, ships KV to decode."""

@@ -91,6 +91,10 @@ class KVReceiver:
             raise ValueError(f"a transfer for {request_id!r} is already expected")
         self._expected[request_id] = _Expected(list(page_ids), self.clock() + timeout_s)
 
+    def cancel(self, request_id: str) -> bool:
+        """Stops expecting a transfer without reporting an outcome (its owner aborted it)."""
+        return self._expected.pop(request_id, None) is not None
+
     def handle(self, frame: Frame) -> None:
         request_id = frame.header.get("request_id")
         entry = self._expected.get(request_id)

@@ -1,0 +1,36 @@
+"""The colocated role: one engine does prefill and decode (chunked prefill interleaves them).
+The baseline every benchmark compares against, and the fallback when a pool is unhealthy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from decode_worker.worker import sampling_params, tokens_message
+from engine import LLMEngine
+from proto.worker_messages import Abort, Failed, Generate
+
+
+class ColocatedWorker:
+    def __init__(self, worker_id: str, engine: LLMEngine, emit: Callable[[object], None]) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.emit = emit
+
+    def handle(self, message: object) -> None:
+        if isinstance(message, Generate):
+            try:
+                self.engine.add_request(message.request_id, list(message.prompt_token_ids),
+                                        sampling_params(message.sampling))
+            except ValueError as exc:
+                self.emit(Failed(message.request_id, self.worker_id, "prefill", str(exc)))
+        elif isinstance(message, Abort):
+            self.engine.abort_request(message.request_id)
+        else:
+            raise ValueError(f"a colocated worker does not take {type(message).__name__}")
+
+    def step(self) -> bool:
+        if not self.engine.has_unfinished_requests():
+            return False
+        for out in self.engine.step():
+            self.emit(tokens_message(self.worker_id, out))
+        return True

@@ -1,0 +1,118 @@
+"""The decode role: reserve pages, receive KV into them, join requests to the decode batch,
+stream tokens back to the router.
+
+Driven by a loop that calls `handle(message)` for router messages and `step()` repeatedly.
+A request needs two things before it can decode: its KV transfer reported DONE by the
+receiver, and StartDecode (its first token) from the router; whichever comes second joins it.
+Every reservation ends exactly once: joined, cancelled by Abort, or dropped when its transfer
+fails or its lease runs out (the router hears Failed and may retry elsewhere).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from engine import LLMEngine, RequestOutput, SamplingParams
+from engine.kv_transfer import BaseFrameReceiver, KVReceiver, TransferState, poll
+from proto.worker_messages import Abort, Failed, ReserveKV, Reserved, ReserveRejected, StartDecode, Tokens
+
+
+def sampling_params(s) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                          seed=s.seed, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+                          logprobs=s.logprobs)
+
+
+def tokens_message(worker_id: str, out: RequestOutput) -> Tokens:
+    return Tokens(out.request_id, worker_id, tuple(out.new_token_ids), tuple(out.new_logprobs), out.finished,
+                  out.finish_reason.value if out.finish_reason else None, out.num_cached_prompt_tokens)
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        kv_transport: BaseFrameReceiver,
+        kv_address: str,
+        emit: Callable[[object], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.kv_transport = kv_transport
+        self.kv_address = kv_address
+        self.emit = emit
+        self.clock = clock
+        self.receiver = KVReceiver(engine.kv_cache, clock)
+        self._received: dict[str, float] = {}  # KV in place, waiting for StartDecode until this time
+        self._leases: dict[str, float] = {}
+        self._starts: dict[str, StartDecode] = {}
+
+    def handle(self, message: object) -> None:
+        if isinstance(message, ReserveKV):
+            self._reserve(message)
+        elif isinstance(message, StartDecode):
+            self._starts[message.request_id] = message
+            self._join_ready()
+        elif isinstance(message, Abort):
+            self._drop(message.request_id)
+        else:
+            raise ValueError(f"a decode worker does not take {type(message).__name__}")
+
+    def step(self, wait_s: float = 0.0) -> bool:
+        """Takes in arrived KV, joins ready requests, runs one decode step; False when idle."""
+        for outcome in poll(self.receiver, self.kv_transport, wait_s):
+            if outcome.state is TransferState.DONE:
+                self._received[outcome.request_id] = self._leases[outcome.request_id]
+            else:
+                self._fail(outcome.request_id, "transfer", f"KV transfer {outcome.state.value}: {outcome.detail}")
+        now = self.clock()
+        for request_id in [r for r, deadline in self._received.items() if deadline <= now]:
+            self._fail(request_id, "decode", "lease expired before StartDecode arrived")
+        self._join_ready()
+        if not self.engine.has_unfinished_requests():
+            return bool(self.receiver.num_pending)
+        for out in self.engine.step():
+            self.emit(tokens_message(self.worker_id, out))
+        return True
+
+    def _reserve(self, message: ReserveKV) -> None:
+        try:
+            res = self.engine.handoff.reserve(message.request_id, list(message.prompt_token_ids))
+        except ValueError as exc:
+            self.emit(Failed(message.request_id, self.worker_id, "reserve", str(exc)))
+            return
+        if res is None:
+            self.emit(ReserveRejected(message.request_id, self.worker_id, "no free KV pages"))
+            return
+        self._leases[message.request_id] = self.clock() + message.lease_s
+        self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), message.lease_s)
+        self.emit(Reserved(message.request_id, self.worker_id, self.kv_address, len(res.page_ids),
+                           res.num_cached_pages))
+
+    def _join_ready(self) -> None:
+        for request_id in [r for r in self._received if r in self._starts]:
+            start = self._starts.pop(request_id)
+            del self._received[request_id], self._leases[request_id]
+            try:
+                out = self.engine.add_prefilled_request(request_id, list(start.prompt_token_ids), start.first_token,
+                                                        sampling_params(start.sampling))
+            except ValueError as exc:
+                self.engine.abort_request(request_id)
+                self.emit(Failed(request_id, self.worker_id, "decode", str(exc)))
+                continue
+            if out is not None:  # the first token already finished it
+                self.emit(tokens_message(self.worker_id, out))
+
+    def _fail(self, request_id: str, stage: str, reason: str) -> None:
+        self._drop(request_id)
+        self.emit(Failed(request_id, self.worker_id, stage, reason))
+
+    def _drop(self, request_id: str) -> None:
+        """Frees whatever this request holds here (reservation, expected KV, running sequence)."""
+        self.receiver.cancel(request_id)
+        for table in (self._received, self._leases, self._starts):
+            table.pop(request_id, None)
+        self.engine.abort_request(request_id)

@@ -1,0 +1,115 @@
+"""The prefill role: run prompts, send the first token to the router at once, ship the KV.
+
+Driven by a loop (a socket runner, or a test) that calls `handle(message)` for each message
+from the router and `step()` repeatedly. Each step runs one engine step, then ships every page
+that became complete to its decode worker (so the transfer overlaps chunked prefill), and
+ends the transfers of prompts that are done: their held pages are released exactly once,
+whatever the transfer's outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import LLMEngine, SamplingParams
+from engine.kv_transfer import KVSender, TransferState, TransportError
+from proto.worker_messages import Abort, Failed, FirstToken, Prefill, TransferEnded
+
+
+@dataclass
+class _Job:
+    message: Prefill
+    sender: KVSender
+    pages_sent: int = 0  # destination pages sent so far (after skip)
+    prefill_done: bool = False
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        open_sender: Callable[[str], KVSender],
+        emit: Callable[[object], None],
+        pages_per_frame: int = 8,
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.open_sender = open_sender  # address -> KVSender (the runner caches connections)
+        self.emit = emit
+        self.pages_per_frame = pages_per_frame
+        self._jobs: dict[str, _Job] = {}
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Prompt tokens accepted and not yet prefilled (the router's load signal)."""
+        return sum(len(j.message.prompt_token_ids) for j in self._jobs.values() if not j.prefill_done)
+
+    def handle(self, message: object) -> None:
+        if isinstance(message, Prefill):
+            self._start(message)
+        elif isinstance(message, Abort):
+            self._abort(message.request_id)
+        else:
+            raise ValueError(f"a prefill worker does not take {type(message).__name__}")
+
+    def step(self) -> bool:
+        """One engine step plus KV shipping; False when there was nothing to do."""
+        if not self._jobs:
+            return False
+        for out in self.engine.step():
+            job = self._jobs.get(out.request_id)
+            if job is None:
+                continue
+            job.prefill_done = True
+            self.emit(FirstToken(out.request_id, self.worker_id, out.new_token_ids[0],
+                                 out.new_logprobs[0] if out.new_logprobs else None,
+                                 out.num_cached_prompt_tokens))
+        for request_id, job in list(self._jobs.items()):
+            self._ship(request_id, job)
+        return True
+
+    def _start(self, message: Prefill) -> None:
+        s = message.sampling
+        params = SamplingParams(max_tokens=1, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                seed=s.seed, ignore_eos=True, logprobs=s.logprobs)
+        try:
+            self.engine.add_request(message.request_id, list(message.prompt_token_ids), params, hold_kv=True)
+        except ValueError as exc:
+            self.emit(Failed(message.request_id, self.worker_id, "prefill", str(exc)))
+            return
+        sender = self.open_sender(message.kv.address)
+        sender.begin(message.request_id, message.kv.timeout_s)
+        self._jobs[message.request_id] = _Job(message, sender)
+
+    def _ship(self, request_id: str, job: _Job) -> None:
+        """Sends the destination pages whose KV is complete; ends the transfer when all are."""
+        kv = job.message.kv
+        pages, num_tokens = self.engine.computed_kv(request_id)
+        page_size = self.engine.page_manager.page_size
+        # Full pages only while prefill runs; the last, partial page once it is done.
+        ready = -(-num_tokens // page_size) if job.prefill_done else num_tokens // page_size
+        ready = min(ready, kv.num_pages) - kv.skip_pages
+        try:
+            while job.pages_sent < ready:
+                n = min(self.pages_per_frame, ready - job.pages_sent)
+                first = kv.skip_pages + job.pages_sent
+                job.sender.send_pages(request_id, job.pages_sent, self.engine.kv_cache.read_pages(pages[first : first + n]))
+                job.pages_sent += n
+        except TransportError as exc:
+            self._end(request_id, job, job.sender.abort(request_id, str(exc)))
+            return
+        if job.prefill_done:
+            self._end(request_id, job, job.sender.finish(request_id))
+
+    def _end(self, request_id: str, job: _Job, state: TransferState) -> None:
+        del self._jobs[request_id]
+        self.engine.abort_request(request_id)  # frees the held pages (or the running request)
+        self.emit(TransferEnded(request_id, self.worker_id, state.value))
+
+    def _abort(self, request_id: str) -> None:
+        job = self._jobs.pop(request_id, None)
+        if job is not None:
+            job.sender.abort(request_id, "aborted by the router")
+        self.engine.abort_request(request_id)

@@ -1,0 +1,158 @@
+"""Router <-> worker messages (ZMQ, msgpack): plain frozen dataclasses, no pickle.
+
+The disaggregated journey of request R (DESIGN.md section 2), one message per arrow:
+    router -> decode   ReserveKV(R, prompt)            pages first: backpressure before compute
+    decode -> router   Reserved(R, kv_address, ...)    or ReserveRejected(R): retry later
+    router -> prefill  Prefill(R, prompt, sampling, KVDestination)
+    prefill -> router  FirstToken(R, token)            at once: TTFT does not wait for KV
+    router -> decode   StartDecode(R, prompt, first_token, sampling)
+    prefill -> router  TransferEnded(R, state)         KV sent (or not): held pages freed
+    decode -> router   Tokens(R, ids, finished?)       streamed until finished
+    router -> any      Abort(R)                        cancel/deadline: every side frees
+    worker -> router   Failed(R, stage, reason)        a terminal failure on that worker
+A colocated worker takes Generate(R, prompt, sampling) and answers with Tokens.
+`encode` / `decode` turn a message into msgpack bytes and back, checking the type tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import msgpack
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """engine.SamplingParams' fields, as the router validated them."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class KVDestination:
+    address: str  # host:port of the decode worker's KV receiver
+    num_pages: int  # pages the prompt occupies
+    skip_pages: int  # leading pages the decode side already holds (prefix cache): not sent
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ReserveKV:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class Reserved:
+    request_id: str
+    worker_id: str
+    kv_address: str
+    num_pages: int
+    num_cached_pages: int
+
+
+@dataclass(frozen=True)
+class ReserveRejected:
+    request_id: str
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Prefill:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    kv: KVDestination
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    request_id: str
+    worker_id: str
+    token_id: int
+    logprob: float | None
+    num_cached_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TransferEnded:
+    request_id: str
+    worker_id: str
+    state: str  # engine.kv_transfer.TransferState value
+
+
+@dataclass(frozen=True)
+class StartDecode:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    first_token: int
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Generate:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Tokens:
+    request_id: str
+    worker_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort"
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: str
+    worker_id: str
+    stage: str  # "reserve", "prefill", "transfer", "decode"
+    reason: str
+
+
+MESSAGE_TYPES = {cls.__name__: cls for cls in (
+    ReserveKV, Reserved, ReserveRejected, Prefill, FirstToken, TransferEnded, StartDecode,
+    Generate, Tokens, Abort, Failed,
+)}
+_NESTED = {"sampling": Sampling, "kv": KVDestination}
+
+
+def encode(message: Any) -> bytes:
+    name = type(message).__name__
+    if name not in MESSAGE_TYPES:
+        raise TypeError(f"{name} is not a worker message")
+    return msgpack.packb({"type": name, **asdict(message)}, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    raw = msgpack.unpackb(data, raw=False)
+    if not isinstance(raw, dict) or raw.get("type") not in MESSAGE_TYPES:
+        raise ValueError(f"not a worker message: {str(raw)[:80]}")
+    cls = MESSAGE_TYPES[raw.pop("type")]
+    names = {f.name for f in fields(cls)}
+    if set(raw) != names:
+        raise ValueError(f"{cls.__name__} fields {sorted(raw)} != {sorted(names)}")
+    for key, nested in _NESTED.items():
+        if key in raw:
+            raw[key] = nested(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw[key].items()})
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})

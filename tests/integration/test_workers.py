@@ -1,0 +1,167 @@
+"""Prefill, decode and colocated workers driven in-process by a minimal router loop: the
+message journey of proto/worker_messages.py with real engines and the in-process KV channel.
+Outputs must equal Hugging Face greedy; aborts at every stage, a lapsed lease and a full
+decode pool must each leave no page referenced on either worker."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from configs import EngineConfig
+from decode_worker.colocated import ColocatedWorker
+from decode_worker.worker import DecodeWorker
+from engine import LLMEngine
+from engine.kv_transfer import KVSender
+from engine.kv_transfer.inproc import InProcChannel
+from prefill_worker.worker import PrefillWorker
+from proto import worker_messages as m
+from tests.helpers import assert_no_page_leak, hf_greedy
+
+GREEDY = m.Sampling(max_tokens=12, ignore_eos=True)
+
+
+class MiniRouter:
+    """Just enough of the router's journey to drive the workers (messages go through
+    encode/decode, as on the socket)."""
+
+    def __init__(self, prefill_budget: int = 32, decode_pages: int | None = None) -> None:
+        self.channel = InProcChannel()
+        self.to_router: list[object] = []
+        emit = lambda msg: self.to_router.append(m.decode(m.encode(msg)))  # noqa: E731
+        self.prefill = PrefillWorker(
+            "p0", LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=prefill_budget,
+                                         max_num_seqs=8)),
+            lambda address: KVSender(self.channel.sender, checksum=True), emit, pages_per_frame=2)
+        self.decode = DecodeWorker(
+            "d0", LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, num_pages=decode_pages)),
+            self.channel.receiver, "inproc", emit)
+        self.prompts: dict[str, tuple[int, ...]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+        self.failed: dict[str, m.Failed] = {}
+        self.rejected: set[str] = set()
+        self.stage: dict[str, str] = {}
+
+    def submit(self, request_id: str, prompt: list[int], lease_s: float = 10.0) -> None:
+        self.prompts[request_id] = tuple(prompt)
+        self.outputs[request_id] = []
+        self.stage[request_id] = "reserving"
+        self.decode.handle(m.decode(m.encode(m.ReserveKV(request_id, tuple(prompt), lease_s))))
+
+    def abort(self, request_id: str) -> None:
+        for worker in (self.prefill, self.decode):
+            worker.handle(m.Abort(request_id))
+        self.stage[request_id] = "aborted"
+
+    def pump(self) -> None:
+        self.prefill.step()
+        self.decode.step()
+        while self.to_router:
+            self.route(self.to_router.pop(0))
+
+    def route(self, msg: object) -> None:
+        rid = msg.request_id
+        if self.stage.get(rid) == "aborted":
+            return
+        if isinstance(msg, m.Reserved):
+            self.stage[rid] = "prefilling"
+            kv = m.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, timeout_s=10)
+            self.prefill.handle(m.Prefill(rid, self.prompts[rid], GREEDY, kv))
+        elif isinstance(msg, m.ReserveRejected):
+            self.rejected.add(rid)
+        elif isinstance(msg, m.FirstToken):
+            self.stage[rid] = "first_token"
+            self.outputs[rid].append(msg.token_id)
+            self.decode.handle(m.StartDecode(rid, self.prompts[rid], msg.token_id, GREEDY))
+        elif isinstance(msg, m.TransferEnded):
+            assert msg.state == "done", msg
+        elif isinstance(msg, m.Tokens):
+            self.stage[rid] = "decoding"
+            self.outputs[rid] += msg.token_ids
+            if msg.finished:
+                self.finished[rid] = msg.finish_reason
+        elif isinstance(msg, m.Failed):
+            self.failed[rid] = msg
+
+    def run(self, until, max_pumps: int = 2000) -> None:
+        for _ in range(max_pumps):
+            if until():
+                return
+            self.pump()
+        raise AssertionError("router loop did not converge")
+
+    def assert_clean(self) -> None:
+        for engine in (self.prefill.engine, self.decode.engine):
+            engine.page_manager.reset_prefix_cache()
+            assert_no_page_leak(engine)
+        assert self.decode.receiver.num_pending == 0 and not self.prefill._jobs
+
+
+def test_disaggregated_journey_matches_hf(hf_tiny):
+    router = MiniRouter()
+    base = [0] + list(range(300, 370))
+    prompts = {"long": base, "shares-prefix": base[:40] + [9, 8, 7], "short": [0, 42, 43], "mid": list(range(3, 30))}
+    router.submit("long", prompts["long"])
+    router.run(lambda: router.stage["long"] == "decoding")  # its pages are now cached on decode
+    for rid in ("shares-prefix", "short", "mid"):
+        router.submit(rid, prompts[rid])
+        router.pump()  # staggered arrivals, joining a batch that is decoding
+    router.run(lambda: len(router.finished) == len(prompts))
+    for rid, prompt in prompts.items():
+        assert router.outputs[rid] == hf_greedy(hf_tiny, prompt, GREEDY.max_tokens)[0], rid
+        assert router.finished[rid] == "length"
+    assert router.decode.engine.page_manager.prefix_hit_tokens >= 40  # "shares-prefix" got 5 pages free
+    router.assert_clean()
+
+
+def test_colocated_worker_matches_hf(hf_tiny):
+    out: list[m.Tokens] = []
+    worker = ColocatedWorker("c0", LLMEngine(EngineConfig(model="builtin:tiny")), out.append)
+    prompts = {"a": [0] + list(range(50, 90)), "b": [0, 7, 8]}
+    for rid, prompt in prompts.items():
+        worker.handle(m.Generate(rid, tuple(prompt), GREEDY))
+    while worker.step():
+        pass
+    for rid, prompt in prompts.items():
+        tokens = [t for msg in out if msg.request_id == rid for t in msg.token_ids]
+        assert tokens == hf_greedy(hf_tiny, prompt, GREEDY.max_tokens)[0]
+    assert_no_page_leak(worker.engine)
+
+
+@pytest.mark.parametrize("stage", ["prefilling", "first_token", "decoding"])
+def test_abort_at_each_stage_frees_both_workers(stage):
+    router = MiniRouter(prefill_budget=16)
+    router.submit("victim", [0] + list(range(100, 160)))
+    router.submit("bystander", [0] + list(range(200, 220)))
+    router.run(lambda: router.stage["victim"] == stage)
+    router.abort("victim")
+    router.run(lambda: "bystander" in router.finished)
+    router.run(lambda: not router.prefill._jobs and router.decode.receiver.num_pending == 0)
+    assert "victim" not in router.finished
+    router.assert_clean()
+
+
+def test_abort_while_reserved_and_lapsed_lease_and_full_pool():
+    router = MiniRouter(decode_pages=12)  # 96 slots
+    router.submit("held", [0] + list(range(10, 30)))  # reserved; the router aborts before prefill
+    router.to_router.clear()
+    router.abort("held")
+    router.decode.handle(m.ReserveKV("lapsed", tuple(range(3, 20)), 0.05))
+    assert isinstance(router.to_router.pop(), m.Reserved)  # ... and nobody ever prefills it
+    time.sleep(0.1)
+    router.decode.step()
+    [failed] = router.to_router
+    router.to_router.clear()
+    assert failed.request_id == "lapsed" and failed.stage == "transfer" and "expired" in failed.reason
+    router.submit("too-big", list(range(3, 100)))  # 97 tokens: more than the whole cache, ever
+    router.pump()
+    assert router.failed["too-big"].stage == "reserve"
+    assert "needs more KV pages than this cache has" in router.failed["too-big"].reason
+    router.submit("fits", list(range(3, 60)))
+    router.submit("waits", list(range(3, 60)))  # 57 + 57 tokens do not fit at once: backpressure
+    router.pump()
+    assert router.rejected == {"waits"}
+    router.run(lambda: "fits" in router.finished)
+    router.assert_clean()
