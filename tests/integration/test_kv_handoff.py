@@ -69,11 +69,12 @@ def test_first_token_can_finish_the_request():
 
 def test_reservations_apply_backpressure_and_free_exactly_once():
     prefill, decode = engines(num_pages=4)  # 32 slots
-    assert decode.handoff.reserve("big", list(range(3, 40))) is None  # 37 tokens: no room
+    with pytest.raises(ValueError, match="needs more KV pages than this cache has"):
+        decode.handoff.reserve("big", list(range(3, 40)))  # 37 tokens: never fits
     assert decode.page_stats()["referenced"] == 0
     res = decode.handoff.reserve("r1", list(range(3, 20)))  # 17 tokens -> 3 pages
     assert len(res.page_ids) == 3
-    assert decode.handoff.reserve("r2", list(range(3, 20))) is None  # 1 page left
+    assert decode.handoff.reserve("r2", list(range(3, 20))) is None  # 1 page left: retry later
     with pytest.raises(ValueError, match="already holds pages"):
         decode.handoff.reserve("r1", [0, 1])
     with pytest.raises(ValueError, match="already in use"):
