@@ -26,13 +26,17 @@ class RouterConfig(_Strict):
     http_port: int | None = Field(None, ge=1, le=65535, description="OpenAI-compatible HTTP; None = off")
     max_queued_requests: int = Field(256, ge=1, description="admission bound: beyond it, RESOURCE_EXHAUSTED")
     policy: Literal["least_loaded", "prefix_affinity"] = "prefix_affinity"
+    worker_event_port: int = Field(52000, ge=1, le=65535, description="workers push events to the router here")
 
 
 class PoolConfig(_Strict):
     num_workers: int = Field(1, ge=1)
     num_cpus_per_worker: float = Field(1.0, gt=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
-    base_port: int = Field(ge=1, le=65535, description="worker i listens on base_port + i")
+    base_port: int = Field(ge=1, le=65535, description="worker i takes router commands on base_port + i")
+    kv_base_port: int | None = Field(
+        None, ge=1, le=65535, description="decode worker i receives KV on kv_base_port + i (decode pools only)"
+    )
     engine: EngineSettings = EngineSettings()
 
 
@@ -65,6 +69,8 @@ class ClusterConfig(_Strict):
                 raise ValueError("mode 'disaggregated' needs both 'prefill' and 'decode' pools")
             if self.colocated is not None:
                 raise ValueError("'colocated' pool given in mode 'disaggregated': remove it or set mode: colocated")
+            if self.decode.kv_base_port is None:
+                raise ValueError("decode.kv_base_port is required: decode workers receive KV there")
             if self.prefill.engine.page_size != self.decode.engine.page_size:
                 raise ValueError("prefill.engine.page_size and decode.engine.page_size must be equal: "
                                  "KV moves page by page")
@@ -80,6 +86,9 @@ class ClusterConfig(_Strict):
 
     def _check_ports(self) -> None:
         used: dict[int, str] = {self.router.grpc_port: "router.grpc_port"}
+        if self.router.worker_event_port in used:
+            raise ValueError(f"router.worker_event_port {self.router.worker_event_port} is also router.grpc_port")
+        used[self.router.worker_event_port] = "router.worker_event_port"
         if self.router.http_port is not None:
             used.setdefault(self.router.http_port, "router.http_port")
             if used[self.router.http_port] != "router.http_port":
@@ -88,13 +97,18 @@ class ClusterConfig(_Strict):
             pool: PoolConfig | None = getattr(self, name)
             if pool is None:
                 continue
-            for i in range(pool.num_workers):
-                port = pool.base_port + i
-                if port > 65535:
-                    raise ValueError(f"{name}.base_port + num_workers runs past port 65535")
-                if port in used:
-                    raise ValueError(f"port {port} of {name} worker {i} is also {used[port]}")
-                used[port] = f"{name} worker {i}"
+            bases = [("base_port", pool.base_port)]
+            if pool.kv_base_port is not None:
+                bases.append(("kv_base_port", pool.kv_base_port))
+            for field_name, base in bases:
+                for i in range(pool.num_workers):
+                    port = base + i
+                    what = f"{name} worker {i}" + (" KV" if field_name == "kv_base_port" else "")
+                    if port > 65535:
+                        raise ValueError(f"{name}.{field_name} + num_workers runs past port 65535")
+                    if port in used:
+                        raise ValueError(f"port {port} of {what} is also {used[port]}")
+                    used[port] = what
 
     def engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The full engine config a worker of `pool` runs with."""

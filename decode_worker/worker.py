@@ -61,9 +61,11 @@ class DecodeWorker:
         else:
             raise ValueError(f"a decode worker does not take {type(message).__name__}")
 
-    def step(self, wait_s: float = 0.0) -> bool:
-        """Takes in arrived KV, joins ready requests, runs one decode step; False when idle."""
-        for outcome in poll(self.receiver, self.kv_transport, wait_s):
+    def step(self, idle_wait_s: float = 0.005) -> bool:
+        """Takes in arrived KV, joins ready requests, runs one decode step. Returns whether the
+        engine ran; with nothing to run it waits up to idle_wait_s for KV instead of spinning."""
+        idle = not self.engine.has_unfinished_requests() and self.receiver.num_pending > 0
+        for outcome in poll(self.receiver, self.kv_transport, idle_wait_s if idle else 0.0):
             if outcome.state is TransferState.DONE:
                 self._received[outcome.request_id] = self._leases[outcome.request_id]
             else:
@@ -73,7 +75,7 @@ class DecodeWorker:
             self._fail(request_id, "decode", "lease expired before StartDecode arrived")
         self._join_ready()
         if not self.engine.has_unfinished_requests():
-            return bool(self.receiver.num_pending)
+            return False
         for out in self.engine.step():
             self.emit(tokens_message(self.worker_id, out))
         return True

@@ -10,6 +10,7 @@ The disaggregated journey of request R (DESIGN.md section 2), one message per ar
     decode -> router   Tokens(R, ids, finished?)       streamed until finished
     router -> any      Abort(R)                        cancel/deadline: every side frees
     worker -> router   Failed(R, stage, reason)        a terminal failure on that worker
+    worker -> router   Load(...)                       heartbeat: liveness and policy inputs
 A colocated worker takes Generate(R, prompt, sampling) and answers with Tokens.
 `encode` / `decode` turn a message into msgpack bytes and back, checking the type tag.
 """
@@ -130,9 +131,20 @@ class Failed:
     reason: str
 
 
+@dataclass(frozen=True)
+class Load:
+    """Heartbeat with the signals the router's policy and health checks use."""
+
+    worker_id: str
+    role: str  # "prefill", "decode", "colocated"
+    queued_tokens: int
+    free_pages: int
+    running: int
+
+
 MESSAGE_TYPES = {cls.__name__: cls for cls in (
     ReserveKV, Reserved, ReserveRejected, Prefill, FirstToken, TransferEnded, StartDecode,
-    Generate, Tokens, Abort, Failed,
+    Generate, Tokens, Abort, Failed, Load,
 )}
 _NESTED = {"sampling": Sampling, "kv": KVDestination}
 
@@ -145,7 +157,14 @@ def encode(message: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    raw = msgpack.unpackb(data, raw=False)
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    return _from_raw(raw)
+
+
+def _from_raw(raw: Any) -> Any:
     if not isinstance(raw, dict) or raw.get("type") not in MESSAGE_TYPES:
         raise ValueError(f"not a worker message: {str(raw)[:80]}")
     cls = MESSAGE_TYPES[raw.pop("type")]

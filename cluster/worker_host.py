@@ -1,0 +1,92 @@
+"""Hosts one worker role with its sockets on a background thread: what each Ray worker actor
+runs (and what tests start directly). Composition only: engine + role + sockets + loop.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from configs import EngineConfig
+from decode_worker.colocated import ColocatedWorker
+from decode_worker.worker import DecodeWorker
+from engine import LLMEngine
+from engine.kv_transfer import KVSender
+from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
+from engine.serving_loop import EventSink, serve
+from prefill_worker.worker import PrefillWorker
+from proto import worker_messages as wm
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class WorkerHost:
+    def __init__(self, role: str, worker_id: str, engine_config: EngineConfig, host: str, command_port: int,
+                 router_event_address: str, kv_port: int | None = None, kv_checksum: bool = False) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
+        if role == "decode" and kv_port is None:
+            raise ValueError("a decode worker needs a kv_port to receive KV on")
+        self.role, self.worker_id = role, worker_id
+        self.command_address = f"{host}:{command_port}"
+        self.engine = LLMEngine(engine_config)
+        self._host, self._kv_port, self._checksum = host, kv_port, kv_checksum
+        self._router_event_address = router_event_address
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"pdserve-{worker_id}", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.error is not None:
+            raise RuntimeError(f"worker {self.worker_id} did not start: {self.error or 'timed out'}")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def page_stats(self) -> dict[str, int]:
+        return self.engine.page_stats()
+
+    def _run(self) -> None:
+        # Sockets are created, used and closed on this thread only (ZMQ sockets are not
+        # thread-safe).
+        events = EventSink(self._router_event_address)
+        closers = [events.close]
+        try:
+            role = self._make_role(events.emit, closers)
+            serve(role, self.command_address, events, self._load(role), self._stop, on_ready=self._ready.set)
+        except BaseException as exc:  # noqa: BLE001 - reported to start() / the actor
+            self.error = exc
+            self._ready.set()
+            raise
+        finally:
+            for close in closers:
+                close()
+
+    def _make_role(self, emit, closers):
+        if self.role == "colocated":
+            return ColocatedWorker(self.worker_id, self.engine, emit)
+        if self.role == "decode":
+            receiver = ZmqFrameReceiver(self._host, self._kv_port)
+            closers.append(receiver.close)
+            return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit)
+        senders: dict[str, KVSender] = {}
+
+        def open_sender(address: str) -> KVSender:
+            if address not in senders:  # one connection per decode worker, reused
+                frames = ZmqFrameSender(address)
+                closers.append(frames.close)
+                senders[address] = KVSender(frames, checksum=self._checksum)
+            return senders[address]
+
+        return PrefillWorker(self.worker_id, self.engine, open_sender, emit)
+
+    def _load(self, role):
+        engine, worker_id, name = self.engine, self.worker_id, self.role
+
+        def load() -> wm.Load:
+            queued = role.num_queued_tokens if isinstance(role, PrefillWorker) else 0
+            return wm.Load(worker_id, name, queued, engine.page_manager.num_free_pages, len(engine.scheduler.running))
+
+        return load

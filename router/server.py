@@ -1,0 +1,139 @@
+"""The router process's gRPC front door: the Generation service, grpc.health.v1 and reflection.
+
+`Router.start` binds the gRPC port and the worker event port and returns; requests then run
+concurrently as asyncio tasks, each through validation (router/validation.py), admission
+control (a bound on requests in flight: RESOURCE_EXHAUSTED beyond it) and its journey
+(router/journey.py). Health is SERVING while every role the mode needs has a live worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc
+from router.journey import JourneySettings, RouterError, run_journey
+from router.policy import make_policy
+from router.tokenizer import RouterTokenizer
+from router.validation import validate
+from router.worker_pool import WorkerEndpoint, WorkerPool
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+class Router:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        endpoints: list[WorkerEndpoint],
+        event_address: str,
+        mode: str,
+        policy: str = "prefix_affinity",
+        max_queued_requests: int = 256,
+        kv_timeout_s: float = 30.0,
+        lease_s: float = 30.0,
+        default_timeout_s: float = 600.0,
+    ) -> None:
+        self.tokenizer = RouterTokenizer(model_dir)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.max_model_len = int(config.get("max_position_embeddings", 2048))
+        self.endpoints = endpoints
+        self.event_address = event_address
+        self.policy = make_policy(policy)
+        self.max_queued_requests = max_queued_requests
+        self.settings = JourneySettings(mode=mode, kv_timeout_s=kv_timeout_s, lease_s=lease_s)
+        self.roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
+        self.default_timeout_s = default_timeout_s
+        self.num_in_flight = 0
+        self.pool: WorkerPool | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Binds and starts serving; returns the bound gRPC port (port 0 picks one, for tests)."""
+        self.pool = WorkerPool(self.endpoints, self.event_address)
+        self.pool.start()
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(_GenerationService(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        bound = self.server.add_insecure_port(f"{host}:{port}")
+        await self.server.start()
+        self._health_task = asyncio.get_running_loop().create_task(self._watch_health())
+        return bound
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self.pool is not None:
+            await self.pool.close()
+
+    def is_ready(self) -> bool:
+        return self.pool is not None and self.pool.all_healthy(self.roles)
+
+    async def _watch_health(self) -> None:
+        while True:
+            status = health_pb2.HealthCheckResponse.SERVING if self.is_ready() else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await self.health.set(name, status)
+            await asyncio.sleep(0.2)
+
+    async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.num_in_flight >= self.max_queued_requests:
+            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.num_in_flight} requests in flight: over the bound of {self.max_queued_requests}")
+        journey = validate(request, self.tokenizer, self.max_model_len, self.default_timeout_s)
+        remaining = context.time_remaining()
+        if remaining is not None:  # the client's gRPC deadline, if sooner
+            journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + remaining))
+        self.num_in_flight += 1
+        try:
+            async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings):
+                yield response
+        finally:
+            self.num_in_flight -= 1
+
+
+class _GenerationService(pdserve_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        try:
+            async for response in self.router.generate(request, context):
+                yield response
+        except RouterError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def GenerateUnary(self, request, context):  # noqa: N802
+        text, ids, last = [], [], None
+        try:
+            async for response in self.router.generate(request, context):
+                text.append(response.text)
+                ids += response.token_ids
+                last = response
+        except RouterError as exc:
+            await context.abort(exc.code, str(exc))
+        return pb.GenerateResponse(request_id=last.request_id, text="".join(text), token_ids=ids,
+                                   finish_reason=last.finish_reason, usage=last.usage)

@@ -1,0 +1,68 @@
+"""GenerateRequest -> a validated Journey, or INVALID_ARGUMENT with what is wrong.
+
+First thing the router does with a request: nothing reaches a worker until this passed, so a
+worker never sees a request it must reject for its shape.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+from proto import worker_messages as wm
+from router.journey import Journey, RouterError
+from router.tokenizer import RouterTokenizer
+
+
+def _invalid(message: str) -> RouterError:
+    return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def validate(request: pb.GenerateRequest, tokenizer: RouterTokenizer, max_model_len: int,
+             default_timeout_s: float, now: float | None = None) -> Journey:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise _invalid("prompt is missing: set 'text' or 'token_ids'")
+    if kind == "text":
+        if not request.text:
+            raise _invalid("prompt text is empty")
+        ids = tokenizer.encode(request.text)
+    else:
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise _invalid("prompt token_ids is empty")
+        bad = [t for t in ids if t >= tokenizer.vocab_size]
+        if bad:
+            raise _invalid(f"token ids outside [0, {tokenizer.vocab_size}): {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise _invalid(f"prompt has {len(ids)} tokens; the model's context is {max_model_len} tokens")
+    s = request.sampling
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else 16
+    if max_tokens < 1:
+        raise _invalid("sampling.max_tokens must be >= 1")
+    temperature = s.temperature if s.HasField("temperature") else 0.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise _invalid(f"sampling.temperature must be a finite number >= 0, got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not math.isfinite(top_p) or not 0 < top_p <= 1:
+        raise _invalid(f"sampling.top_p must be in (0, 1], got {top_p}")
+    bad_stops = [t for t in s.stop_token_ids if t >= tokenizer.vocab_size]
+    if bad_stops:
+        raise _invalid(f"sampling.stop_token_ids outside the vocabulary: {bad_stops[:5]}")
+    if any(not stop for stop in s.stop):
+        raise _invalid("sampling.stop strings must be non-empty")
+    if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+        raise _invalid(f"timeout_s must be >= 0, got {request.timeout_s}")
+    sampling = wm.Sampling(
+        max_tokens=min(max_tokens, max_model_len - len(ids)), temperature=float(temperature),
+        top_k=s.top_k if s.HasField("top_k") else 0, top_p=float(top_p),
+        seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+    )
+    timeout = request.timeout_s or default_timeout_s
+    start = time.monotonic() if now is None else now
+    return Journey(request.request_id or uuid.uuid4().hex, tuple(ids), sampling, tuple(s.stop), start + timeout)
