@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/pdserve complete "$(PROMPT)" --model builtin:tiny --max-tokens 48
+	$(BIN)/pdserve demo configs/local.yaml "$(PROMPT)" --max-tokens 48
 
 test: install
 	$(BIN)/python -m pytest -q

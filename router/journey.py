@@ -91,7 +91,8 @@ async def run_journey(
                 new_ids, reason, num_cached = [msg.token_id], None, msg.num_cached_prompt_tokens
             elif isinstance(msg, wm.Tokens):
                 new_ids, reason = list(msg.token_ids), msg.finish_reason if msg.finished else None
-                num_cached = num_cached or msg.num_cached_prompt_tokens
+                if settings.mode == "colocated":  # disaggregated: the prefill side's count (FirstToken)
+                    num_cached = msg.num_cached_prompt_tokens
             else:
                 continue
             ttft = ttft if ttft is not None or not new_ids else time.monotonic() - start

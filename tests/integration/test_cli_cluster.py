@@ -1,0 +1,107 @@
+"""The user's path: `pdserve up CONFIG` (embedded Ray, real actors), `pdserve generate`, and
+`pdserve down`, as subprocesses. The reply must be the engine's greedy output, and after
+`down` the `up` process and its Ray cluster must be gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp_path: Path, mode: str, **pool_extra) -> Path:
+    cfg = yaml.safe_load((REPO / "configs" / ("local.yaml" if mode == "disaggregated" else "colocated.yaml")).read_text())
+    cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port())
+    for role in ("prefill", "decode", "colocated"):
+        if role in cfg:
+            cfg[role]["base_port"] = free_port()
+            cfg[role]["num_cpus_per_worker"] = 0.5  # two workers + router on a 2-core machine
+            cfg[role].update(pool_extra)
+            if role == "decode":
+                cfg[role]["kv_base_port"] = free_port()
+    path = tmp_path / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "PDSERVE_RUN_DIR": str(tmp_path / "run"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def pdserve(*args, tmp_path, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env(tmp_path), cwd=REPO)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_up_generate_down(tmp_path, mode):
+    config = write_config(tmp_path, mode)
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(config)], stdout=log,
+                          stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "cluster up" not in (tmp_path / "up.log").read_text():
+            assert up.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.5)
+        reply = pdserve("generate", "def fibonacci(n):", "--config", str(config), "--max-tokens", "16",
+                        "--ignore-eos", tmp_path=tmp_path)
+        assert reply.returncode == 0, reply.stderr
+        offline = pdserve("complete", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", tmp_path=tmp_path)
+        assert reply.stdout.strip() == offline.stdout[len("def fibonacci(n):"):].strip()
+        assert "16 tokens, finish=FINISH_REASON_LENGTH" in reply.stderr
+        twice = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(config)], capture_output=True,
+                               text=True, timeout=60, env=env(tmp_path), cwd=REPO)
+        assert twice.returncode != 0 and "already up" in twice.stderr
+        down = pdserve("down", str(config), tmp_path=tmp_path)
+        assert down.returncode == 0, down.stderr
+        assert up.wait(timeout=60) == 0
+        assert "pdserve: stopped" in (tmp_path / "up.log").read_text()
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGINT)
+            up.wait(60)
+        log.close()
+    again = pdserve("down", str(config), tmp_path=tmp_path)
+    assert again.returncode == 1 and "no running cluster" in again.stderr
+
+
+def test_up_names_workers_that_cannot_be_placed(tmp_path):
+    config = write_config(tmp_path, "disaggregated", num_gpus_per_worker=1.0)  # no GPU here
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(config), "--timeout", "8"],
+                          capture_output=True, text=True, timeout=120, env=env(tmp_path), cwd=REPO)
+    assert proc.returncode == 2
+    assert "prefill-0" in proc.stderr and "decode-0" in proc.stderr and "did not start" in proc.stderr
+    assert "available" in proc.stderr
+
+
+def test_generate_without_a_cluster_is_a_clear_error(tmp_path):
+    proc = pdserve("generate", "hi", "--address", f"127.0.0.1:{free_port()}", "--timeout", "3", tmp_path=tmp_path)
+    assert proc.returncode == 1 and "UNAVAILABLE" in proc.stderr
+
+
+def test_demo_runs_the_readme_main_job(tmp_path):
+    config = write_config(tmp_path, "disaggregated")
+    proc = pdserve("demo", str(config), "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos",
+                   tmp_path=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    offline = pdserve("complete", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", tmp_path=tmp_path)
+    assert offline.stdout.strip() in proc.stdout
+    assert "cluster stopped" in proc.stdout
