@@ -25,7 +25,7 @@ from proto import pdserve_pb2_grpc
 from router.journey import JourneySettings, RouterError, run_journey
 from router.policy import make_policy
 from router.tokenizer import RouterTokenizer
-from router.validation import validate
+from router.validation import deserialize_request, validate
 from router.worker_pool import WorkerEndpoint, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,18 @@ class Router:
         self.pool = WorkerPool(self.endpoints, self.event_address)
         self.pool.start()
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        pdserve_pb2_grpc.add_GenerationServicer_to_server(_GenerationService(self), self.server)
+        service = _GenerationService(self)
+        # Registered by hand (not add_GenerationServicer_to_server) for the lenient request
+        # deserializer: a request protobuf cannot parse still gets INVALID_ARGUMENT, not INTERNAL.
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                service.Generate, request_deserializer=deserialize_request,
+                response_serializer=pb.GenerateResponse.SerializeToString),
+            "GenerateUnary": grpc.unary_unary_rpc_method_handler(
+                service.GenerateUnary, request_deserializer=deserialize_request,
+                response_serializer=pb.GenerateResponse.SerializeToString),
+        }
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -11,6 +11,8 @@ import time
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
@@ -22,8 +24,29 @@ def _invalid(message: str) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def validate(request: pb.GenerateRequest, tokenizer: RouterTokenizer, max_model_len: int,
+class UndecodableRequest:
+    """Stands in for a request the protobuf parser refused (e.g. a string that is not UTF-8),
+    so the client gets INVALID_ARGUMENT with the reason rather than gRPC's generic INTERNAL."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def deserialize_request(data: bytes) -> pb.GenerateRequest | UndecodableRequest:
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        return UndecodableRequest(str(exc))
+
+
+def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: RouterTokenizer, max_model_len: int,
              default_timeout_s: float, now: float | None = None) -> Journey:
+    if isinstance(request, UndecodableRequest):
+        raise _invalid(f"the request is not a valid GenerateRequest ({request.reason}; strings must be UTF-8)")
+    for name, message in (("request", request), ("sampling", request.sampling), ("token_ids", request.token_ids)):
+        unknown = sorted({field.field_number for field in UnknownFieldSet(message)})
+        if unknown:
+            raise _invalid(f"unknown fields {unknown} in {name}: is the client built from another pdserve.proto?")
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise _invalid("prompt is missing: set 'text' or 'token_ids'")

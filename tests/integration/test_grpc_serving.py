@@ -152,6 +152,23 @@ def test_malformed_input_is_invalid_argument(cluster, req, message):
     assert cluster.stub.GenerateUnary(request([0, 5], max_tokens=2), timeout=30).usage.completion_tokens == 2
 
 
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(stop=["ab"])).SerializeToString().replace(
+            b"ab", b"\xff\xfe"), "not a valid GenerateRequest.*UTF-8"),
+        (pb.GenerateRequest(text="x").SerializeToString() + b"\xa0\x06\x01", r"unknown fields \[100\] in request"),
+    ],
+)
+def test_undecodable_and_unknown_fields_are_invalid_argument(cluster, raw, message):
+    call = cluster.channel.unary_unary("/pdserve.v1.Generation/GenerateUnary",
+                                       request_serializer=lambda b: b, response_deserializer=pb.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as info:
+        call(raw, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, info.value.details()), info.value.details()
+
+
 def test_cancel_mid_stream_frees_pages(cluster):
     steps_before = cluster.hosts[-1].engine.num_steps
     call = cluster.stub.Generate(request([0] + list(range(600, 700)), max_tokens=1500), timeout=60)
