@@ -18,11 +18,10 @@ from configs import EngineConfig
 @ray.remote
 class WorkerActor:
     def __init__(self, role: str, worker_id: str, engine_config: dict, host: str, command_port: int,
-                 event_address: str, kv_port: int | None, kv_checksum: bool) -> None:
+                 event_address: str, kv: dict) -> None:
         from cluster.worker_host import WorkerHost
 
-        self.host = WorkerHost(role, worker_id, EngineConfig(**engine_config), host, command_port, event_address,
-                               kv_port, kv_checksum)
+        self.host = WorkerHost(role, worker_id, EngineConfig(**engine_config), host, command_port, event_address, **kv)
         self.host.start()
 
     def ready(self) -> str:

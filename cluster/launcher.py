@@ -80,6 +80,7 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
     event_address = f"{host}:{config.router.worker_event_port}"
     workers: dict[str, object] = {}
     endpoints = []
+    ranks = config.kv_dist_ranks()
     try:
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(config, role)
@@ -88,11 +89,14 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             engine = config.engine_config(pool).model_dump()
             for i in range(pool.num_workers):
                 worker_id = f"{role}-{i}"
-                kv_port = pool.kv_base_port + i if role == "decode" else None
+                kv = {"kv_port": pool.kv_base_port + i if role == "decode" else None,
+                      "kv_checksum": config.kv_transfer.checksum, "kv_transport": config.kv_transfer.transport}
+                if config.kv_transfer.transport == "torch_dist" and role != "colocated":
+                    kv.update(dist_rank=ranks[worker_id], dist_world_size=len(ranks),
+                              dist_store_address=f"{host}:{config.kv_transfer.dist_port}")
                 workers[worker_id] = WorkerActor.options(
                     name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
-                ).remote(role, worker_id, engine, host, pool.base_port + i, event_address, kv_port,
-                         config.kv_transfer.checksum)
+                ).remote(role, worker_id, engine, host, pool.base_port + i, event_address, kv)
                 endpoints.append({"worker_id": worker_id, "role": role, "command_address": f"{host}:{pool.base_port + i}"})
         _wait(workers, "ready", timeout_s, say)
         router_kwargs = {

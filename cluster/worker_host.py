@@ -4,13 +4,14 @@ runs (and what tests start directly). Composition only: engine + role + sockets 
 
 from __future__ import annotations
 
+import os
 import threading
 
 from configs import EngineConfig
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
-from engine.kv_transfer import KVSender
+from engine.kv_transfer import KVSender, torch_dist
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from engine.serving_loop import EventSink, serve
 from prefill_worker.worker import PrefillWorker
@@ -21,11 +22,19 @@ ROLES = ("prefill", "decode", "colocated")
 
 class WorkerHost:
     def __init__(self, role: str, worker_id: str, engine_config: EngineConfig, host: str, command_port: int,
-                 router_event_address: str, kv_port: int | None = None, kv_checksum: bool = False) -> None:
+                 router_event_address: str, kv_port: int | None = None, kv_checksum: bool = False,
+                 kv_transport: str = "zmq", dist_rank: int | None = None, dist_world_size: int | None = None,
+                 dist_store_address: str | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
-        if role == "decode" and kv_port is None:
+        if kv_transport not in ("zmq", "torch_dist"):
+            raise ValueError(f"unknown KV transport {kv_transport!r}; choose 'zmq' or 'torch_dist'")
+        if role == "decode" and kv_transport == "zmq" and kv_port is None:
             raise ValueError("a decode worker needs a kv_port to receive KV on")
+        if kv_transport == "torch_dist" and role != "colocated" and None in (dist_rank, dist_world_size, dist_store_address):
+            raise ValueError("the torch_dist KV transport needs dist_rank, dist_world_size and dist_store_address")
+        self._kv_transport = kv_transport
+        self._dist = (dist_rank, dist_world_size, dist_store_address)
         self.role, self.worker_id = role, worker_id
         self.command_address = f"{host}:{command_port}"
         self.engine = LLMEngine(engine_config)
@@ -67,16 +76,29 @@ class WorkerHost:
     def _make_role(self, emit, closers):
         if self.role == "colocated":
             return ColocatedWorker(self.worker_id, self.engine, emit)
+        device = self.engine.config.device
+        if self._kv_transport == "torch_dist":
+            rank, world_size, store = self._dist
+            if self._host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+                os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a loopback cluster: keep gloo on lo
+            torch_dist.join_group(rank, world_size, store, backend="nccl" if device.startswith("cuda") else "gloo")
+            closers.append(torch_dist.leave_group)
         if self.role == "decode":
-            receiver = ZmqFrameReceiver(self._host, self._kv_port)
-            closers.append(receiver.close)
+            if self._kv_transport == "torch_dist":
+                receiver = torch_dist.DistFrameReceiver(device)
+            else:
+                receiver = ZmqFrameReceiver(self._host, self._kv_port)
+                closers.append(receiver.close)
             return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit)
         senders: dict[str, KVSender] = {}
 
         def open_sender(address: str) -> KVSender:
             if address not in senders:  # one connection per decode worker, reused
-                frames = ZmqFrameSender(address)
-                closers.append(frames.close)
+                if address.startswith(torch_dist.PREFIX):
+                    frames = torch_dist.DistFrameSender(address, device)
+                else:
+                    frames = ZmqFrameSender(address)
+                    closers.append(frames.close)
                 senders[address] = KVSender(frames, checksum=self._checksum)
             return senders[address]
 

@@ -45,6 +45,7 @@ class KVTransferConfig(_Strict):
     timeout_s: float = Field(30.0, gt=0, description="deadline of one transfer")
     reservation_lease_s: float = Field(30.0, gt=0, description="decode pages wait this long for their KV")
     checksum: bool = False
+    dist_port: int = Field(52500, ge=1, le=65535, description="torch_dist: the process group's TCP store port")
 
 
 class RayConfig(_Strict):
@@ -84,11 +85,22 @@ class ClusterConfig(_Strict):
         self._check_ports()
         return self
 
+    def kv_dist_ranks(self) -> dict[str, int]:
+        """torch_dist: each prefill and decode worker's rank in the KV process group."""
+        names = [f"{role}-{i}" for role in ("prefill", "decode") if getattr(self, role) is not None
+                 for i in range(getattr(self, role).num_workers)]
+        return {name: rank for rank, name in enumerate(names)}
+
     def _check_ports(self) -> None:
         used: dict[int, str] = {self.router.grpc_port: "router.grpc_port"}
         if self.router.worker_event_port in used:
             raise ValueError(f"router.worker_event_port {self.router.worker_event_port} is also router.grpc_port")
         used[self.router.worker_event_port] = "router.worker_event_port"
+        if self.mode == "disaggregated" and self.kv_transfer.transport == "torch_dist":
+            if self.kv_transfer.dist_port in used:
+                raise ValueError(f"kv_transfer.dist_port {self.kv_transfer.dist_port} is also "
+                                 f"{used[self.kv_transfer.dist_port]}")
+            used[self.kv_transfer.dist_port] = "kv_transfer.dist_port"
         if self.router.http_port is not None:
             used.setdefault(self.router.http_port, "router.http_port")
             if used[self.router.http_port] != "router.http_port":

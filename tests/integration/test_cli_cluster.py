@@ -24,9 +24,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(tmp_path: Path, mode: str, **pool_extra) -> Path:
+def write_config(tmp_path: Path, mode: str, transport: str = "zmq", **pool_extra) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / ("local.yaml" if mode == "disaggregated" else "colocated.yaml")).read_text())
     cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port())
+    if mode == "disaggregated":
+        cfg["kv_transfer"].update(transport=transport, dist_port=free_port())
     for role in ("prefill", "decode", "colocated"):
         if role in cfg:
             cfg[role]["base_port"] = free_port()
@@ -39,6 +41,24 @@ def write_config(tmp_path: Path, mode: str, **pool_extra) -> Path:
     return path
 
 
+def concurrent_mix_matches_hf(port: int, hf_model) -> None:
+    import grpc
+
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc
+    from tests.helpers import hf_greedy
+
+    base = [0] + list(range(500, 560))
+    prompts = [base, base[:33] + [7, 7], [0, 9], list(range(3, 40))]
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        futures = [stub.GenerateUnary.future(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(max_tokens=10, ignore_eos=True)), timeout=120)
+            for p in prompts]
+        for p, f in zip(prompts, futures):
+            assert list(f.result().token_ids) == hf_greedy(hf_model, p, 10)[0]
+
+
 def env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PDSERVE_RUN_DIR": str(tmp_path / "run"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
             "PYTHONUNBUFFERED": "1"}
@@ -49,9 +69,10 @@ def pdserve(*args, tmp_path, timeout=120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env(tmp_path), cwd=REPO)
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_up_generate_down(tmp_path, mode):
-    config = write_config(tmp_path, mode)
+@pytest.mark.parametrize(("mode", "transport"),
+                         [("disaggregated", "zmq"), ("disaggregated", "torch_dist"), ("colocated", "zmq")])
+def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
+    config = write_config(tmp_path, mode, transport)
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(config)], stdout=log,
                           stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True)
@@ -67,6 +88,7 @@ def test_up_generate_down(tmp_path, mode):
         offline = pdserve("complete", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", tmp_path=tmp_path)
         assert reply.stdout.strip() == offline.stdout[len("def fibonacci(n):"):].strip()
         assert "16 tokens, finish=FINISH_REASON_LENGTH" in reply.stderr
+        concurrent_mix_matches_hf(yaml.safe_load(config.read_text())["router"]["grpc_port"], hf_tiny)
         twice = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(config)], capture_output=True,
                                text=True, timeout=60, env=env(tmp_path), cwd=REPO)
         assert twice.returncode != 0 and "already up" in twice.stderr

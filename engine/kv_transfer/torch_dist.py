@@ -1,0 +1,98 @@
+"""KV frames over torch.distributed point-to-point: NCCL between GPUs, gloo on CPU (so the same
+code is tested here). Every prefill and decode worker joins one process group at start-up;
+a destination is `dist:<rank>`.
+
+A frame crosses as three messages to the same rank: sizes (int64[2]), the msgpack header,
+then the payload bytes. The receiver posts receives from any source on a thread of its own
+and queues whole frames; per-source ordering keeps a sender's three messages together.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from datetime import timedelta
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from engine.kv_transfer.base import BaseFrameReceiver, BaseFrameSender, Frame, TransportError
+
+log = logging.getLogger(__name__)
+PREFIX = "dist:"
+
+
+def join_group(rank: int, world_size: int, store_address: str, backend: str = "gloo", timeout_s: float = 120) -> None:
+    """Joins the KV process group (blocks until every rank has joined)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{store_address}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def address_of(rank: int) -> str:
+    return f"{PREFIX}{rank}"
+
+
+def rank_of(address: str) -> int:
+    if not address.startswith(PREFIX):
+        raise ValueError(f"{address!r} is not a torch.distributed KV address ({PREFIX}<rank>)")
+    return int(address[len(PREFIX) :])
+
+
+class DistFrameSender(BaseFrameSender):
+    def __init__(self, address: str, device: str = "cpu") -> None:
+        self.dst = rank_of(address)
+        self.device = device  # "cuda" for NCCL: tensors must live on the GPU
+
+    def send(self, frame: Frame) -> None:
+        header = msgpack.packb(frame.header, use_bin_type=True)
+        payload = frame.payload
+        try:
+            dist.send(torch.tensor([len(header), len(payload)], dtype=torch.int64, device=self.device), self.dst)
+            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), self.dst)
+            if len(payload):
+                dist.send(torch.frombuffer(payload, dtype=torch.uint8).to(self.device), self.dst)
+        except RuntimeError as exc:
+            raise TransportError(f"torch.distributed send to rank {self.dst} failed: {exc}") from exc
+
+
+class DistFrameReceiver(BaseFrameReceiver):
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self.address = address_of(dist.get_rank())
+        self._frames: queue.Queue[Frame] = queue.Queue()
+        self._thread = threading.Thread(target=self._receive_forever, name="pdserve-kv-recv", daemon=True)
+        self._thread.start()
+
+    def _receive_forever(self) -> None:
+        try:
+            while True:
+                sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+                src = dist.recv(sizes)  # from any rank
+                header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
+                dist.recv(header, src)
+                payload = b""
+                if int(sizes[1]):
+                    data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
+                    dist.recv(data, src)
+                    payload = memoryview(data.cpu().numpy()).cast("B")
+                self._frames.put(Frame(msgpack.unpackb(header.cpu().numpy().tobytes(), raw=False), payload))
+        except RuntimeError as exc:  # the group was torn down: the worker is stopping
+            log.info("KV receiver stopped: %s", exc)
+
+    def recv(self, timeout_s: float) -> list[Frame]:
+        frames = []
+        try:
+            frames.append(self._frames.get(timeout=timeout_s) if timeout_s > 0 else self._frames.get_nowait())
+            while True:
+                frames.append(self._frames.get_nowait())
+        except queue.Empty:
+            pass
+        return frames
