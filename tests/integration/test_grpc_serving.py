@@ -5,78 +5,23 @@ answered with the right status and leave every page free."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.worker_host import WorkerHost
+from cluster.local_cluster import LocalCluster
 from configs import EngineConfig
 from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc
-from router.server import Router
-from router.worker_pool import WorkerEndpoint
 from tests.helpers import hf_greedy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalCluster:
-    def __init__(self, model_dir, mode: str, max_queued_requests: int = 64) -> None:
-        event = f"127.0.0.1:{free_port()}"
-        engine = EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=64, max_num_seqs=16)
-        roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
-        self.hosts = [WorkerHost(role, f"{role}-0", engine, "127.0.0.1", free_port(), event,
-                                 kv_port=free_port() if role == "decode" else None, kv_checksum=True)
-                      for role in roles]
-        for h in self.hosts:
-            h.start()
-        endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]
-        self.router = Router(model_dir, endpoints, event, mode, max_queued_requests=max_queued_requests,
-                             kv_timeout_s=10, lease_s=10)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self.router.start("127.0.0.1", 0), self.loop).result(10)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
-        self.stub = pdserve_pb2_grpc.GenerationStub(self.channel)
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + 20
-        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, "router never became healthy"
-            time.sleep(0.05)
-
-    def wait_pages_free(self, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = [h.page_stats() for h in self.hosts]
-            if all(s["referenced"] == 0 for s in stats):
-                return
-            assert time.monotonic() < deadline, f"pages still referenced: {stats}"
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.router.stop(0.2), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        for h in self.hosts:
-            h.stop()
+ENGINE = EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=64, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def cluster(request, tiny_dir):
-    c = LocalCluster(tiny_dir, request.param)
+    c = LocalCluster(tiny_dir, request.param, ENGINE)
     yield c
     c.close()
 
@@ -191,7 +136,7 @@ def test_deadline_expiry_aborts_and_frees_pages(cluster):
 
 
 def test_burst_beyond_the_queue_bound_is_resource_exhausted(tiny_dir):
-    c = LocalCluster(tiny_dir, "disaggregated", max_queued_requests=2)
+    c = LocalCluster(tiny_dir, "disaggregated", ENGINE, max_queued_requests=2)
     try:
         def one(i):
             try:
