@@ -42,7 +42,11 @@ class KVCache:
     def read_pages(self, page_ids: list[int]) -> torch.Tensor:
         """A copy of these pages across all layers: [2 (k, v), num_layers, n, page_size, kvh, d]."""
         index = torch.tensor(page_ids, dtype=torch.int64, device=self.k[0].device)
-        return torch.stack([torch.stack([t.index_select(0, index) for t in side]) for side in (self.k, self.v)])
+        out = self.k[0].new_empty((2, len(self.k), len(page_ids), *self.k[0].shape[1:]))
+        for side, tensors in enumerate((self.k, self.v)):
+            for layer, t in enumerate(tensors):
+                torch.index_select(t, 0, index, out=out[side, layer])  # one copy, straight into place
+        return out
 
     def write_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
         """Writes `read_pages` output (from another cache of the same geometry) into these pages."""

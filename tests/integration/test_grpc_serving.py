@@ -6,6 +6,7 @@ answered with the right status and leave every page free."""
 from __future__ import annotations
 
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -150,5 +151,31 @@ def test_burst_beyond_the_queue_bound_is_resource_exhausted(tiny_dir):
         assert grpc.StatusCode.RESOURCE_EXHAUSTED in outcomes
         assert set(outcomes) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}
         c.wait_pages_free()
+    finally:
+        c.close()
+
+
+def test_reflection_lists_the_services(cluster):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(cluster.channel)
+    [reply] = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_no_live_worker_is_unavailable(tiny_dir):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    c = LocalCluster(tiny_dir, "colocated", ENGINE)
+    try:
+        c.router.pool.heartbeat_timeout_s = 0.01  # heartbeats now count as stale: no live worker
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as info:
+            c.stub.GenerateUnary(request([0, 5], max_tokens=2), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no healthy colocated worker" in info.value.details()
+        status = health_pb2_grpc.HealthStub(c.channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         c.close()
