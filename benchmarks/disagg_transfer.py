@@ -178,25 +178,37 @@ def main() -> int:
     print("\n[router overhead per streamed token]")
     prompt = list(range(3, 131))
     tokens = 128
-    # One compute thread on both sides: on a 2-core machine the router and the client need the
-    # other core, and an OpenMP team that loses a core to them stalls every step.
-    torch.set_num_threads(1)
-    engine_itl = []
-    src.add_request("solo", prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    last = None
-    while src.has_unfinished_requests():
-        if src.step():
-            now = time.perf_counter()
-            if last is not None:
-                engine_itl.append(now - last)
-            last = now
+    # One compute thread on both sides, each in a fresh process: on a 2-core machine the router
+    # and the client need the other core, and an OpenMP team that loses a core stalls.
     del src, dst
+    engine_itl = engine_stream_in_subprocess(args.model, cfg, prompt, tokens)
     grpc_itl = stream_through_cluster(args.model, cfg, prompt, tokens)
     for p in (50, 99):
         e, g = pct(engine_itl, p), pct(grpc_itl, p)
         print(f"  p{p}: engine in-process {1000 * e:6.2f} ms/token, through gRPC {1000 * g:6.2f} ms/token, "
               f"overhead {1000 * (g - e):+6.2f} ms ({(g - e) / e:+.1%})")
     return 0
+
+
+def engine_stream_in_subprocess(model: str, cfg: EngineConfig, prompt: list[int], tokens: int) -> list[float]:
+    """Inter-token latencies of the engine alone, in its own 1-thread process (like the actor)."""
+    import json
+    import subprocess
+
+    code = (
+        "import json,sys,time,torch; torch.set_num_threads(1)\n"
+        "from configs import EngineConfig; from engine import LLMEngine, SamplingParams\n"
+        "a=json.loads(sys.argv[1]); e=LLMEngine(EngineConfig(**a['cfg']))\n"
+        "e.add_request('s', a['prompt'], SamplingParams(max_tokens=a['tokens'], ignore_eos=True))\n"
+        "itl=[]; last=None\n"
+        "while e.has_unfinished_requests():\n"
+        "    if e.step():\n"
+        "        now=time.perf_counter(); itl += [now-last] if last else []; last=now\n"
+        "print(json.dumps(itl))\n")
+    arg = json.dumps({"cfg": cfg.model_dump(), "prompt": prompt, "tokens": tokens})
+    out = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def stream_through_cluster(model: str, cfg: EngineConfig, prompt: list[int], tokens: int) -> list[float]:
