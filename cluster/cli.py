@@ -185,15 +185,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling_args(parser: argparse.ArgumentParser) -> None:
+def _sampling_args(parser: argparse.ArgumentParser, served: bool = True) -> None:
+    """Sampling flags; `served` adds those only the router applies (stop strings, deadline)."""
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate at most (default 48)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    parser.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
+    if served:
+        parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+        parser.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,12 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     complete = sub.add_parser("complete", help="generate a completion in-process with the engine (no cluster)")
     complete.add_argument("prompt", help="prompt text")
     complete.add_argument("--model", default="builtin:tiny", help="model name or directory (default: builtin:tiny)")
-    complete.add_argument("--max-tokens", type=int, default=48, help="tokens to generate at most (default: 48)")
-    complete.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    complete.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
-    complete.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default: 1)")
-    complete.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    complete.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    _sampling_args(complete, served=False)
     complete.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     complete.set_defaults(func=_cmd_complete)
 
