@@ -2,7 +2,7 @@
 
 Router commands arrive on a PULL socket the worker binds (its configured port); events go to
 the router's PULL socket through a PUSH. The loop alternates: take in every waiting command,
-run one step of the role, send a Load heartbeat now and then. It blocks on the command socket
+run one step of the role; a Load heartbeat goes out from a thread of its own. It blocks on the command socket
 only when the role has nothing to do. Messages are msgpack (proto/worker_messages.py); a
 malformed one is logged and dropped, never fatal.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -32,6 +31,7 @@ class EventSink:
     """Thread-confined PUSH socket to the router; `emit` is what roles call."""
 
     def __init__(self, router_event_address: str, context: zmq.Context | None = None) -> None:
+        self.address = router_event_address
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"tcp://{router_event_address}")
@@ -57,9 +57,14 @@ def serve(
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"tcp://{command_address}")
+    # Heartbeats come from a thread of their own (with its own socket: ZMQ sockets are
+    # thread-confined), so one long step (a 2k-token prefill can take seconds on a CPU) never
+    # looks like a dead worker to the router. torch releases the GIL while it computes.
+    beat = threading.Thread(target=_heartbeat, args=(events.address, load, stop, heartbeat_s),
+                            name="pdserve-heartbeat", daemon=True)
+    beat.start()
     if on_ready is not None:
         on_ready()
-    next_heartbeat = 0.0
     busy = False
     try:
         while not stop.is_set():
@@ -74,8 +79,20 @@ def serve(
                     except ValueError as exc:
                         log.warning("dropped a bad command on %s: %s", command_address, exc)
             busy = role.step()
-            if time.monotonic() >= next_heartbeat:
-                events.emit(load())
-                next_heartbeat = time.monotonic() + heartbeat_s
     finally:
         sock.close()
+        beat.join(heartbeat_s + 1)
+
+
+def _heartbeat(router_event_address: str, load: Callable[[], wm.Load], stop: threading.Event,
+               heartbeat_s: float) -> None:
+    sink = EventSink(router_event_address)
+    try:
+        while not stop.is_set():
+            try:
+                sink.emit(load())
+            except RuntimeError as exc:  # a load read racing the step loop; the next one will do
+                log.debug("heartbeat skipped: %s", exc)
+            stop.wait(heartbeat_s)
+    finally:
+        sink.close()

@@ -72,7 +72,7 @@ async def run_journey(
         else:
             decode_worker = await _reserve(j, pool, policy, settings, events, involved)
         while True:
-            msg = await _next(events, j.deadline)
+            msg = await _next(events, j.deadline, pool, involved)
             if isinstance(msg, wm.Reserved):
                 prefill = policy.choose_prefill(j.prompt, pool.loads("prefill"))
                 if prefill is None:
@@ -131,7 +131,7 @@ async def _reserve(j, pool, policy, settings, events, involved) -> str:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         involved.add(worker)
         await pool.send(worker, wm.ReserveKV(j.request_id, j.prompt, settings.lease_s))
-        msg = await _next(events, j.deadline)
+        msg = await _next(events, j.deadline, pool, involved)
         if isinstance(msg, wm.Reserved):
             events.put_nowait(msg)  # let the main loop act on it
             return worker
@@ -141,11 +141,18 @@ async def _reserve(j, pool, policy, settings, events, involved) -> str:
         await asyncio.sleep(settings.reserve_retry_s)
 
 
-async def _next(events: asyncio.Queue, deadline: float) -> object:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired")
-    try:
-        return await asyncio.wait_for(events.get(), remaining)
-    except asyncio.TimeoutError:
-        raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired") from None
+async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, involved: set[str],
+                check_every_s: float = 0.25) -> object:
+    """The next event for this request. Fails fast, instead of waiting out the deadline, when a
+    worker holding part of the request stops sending heartbeats."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired")
+        try:
+            return await asyncio.wait_for(events.get(), min(remaining, check_every_s))
+        except asyncio.TimeoutError:
+            dead = sorted(w for w in involved if not pool.healthy(w))
+            if dead:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                  f"worker {', '.join(dead)} stopped responding (no heartbeat)") from None

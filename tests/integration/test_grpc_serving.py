@@ -179,3 +179,21 @@ def test_no_live_worker_is_unavailable(tiny_dir):
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         c.close()
+
+
+def test_a_worker_that_dies_mid_stream_fails_the_request_fast(tiny_dir):
+    c = LocalCluster(tiny_dir, "disaggregated", ENGINE)
+    try:
+        c.router.pool.heartbeat_timeout_s = 1.0
+        call = c.stub.Generate(request([0] + list(range(900, 950)), max_tokens=1900), timeout=120)
+        next(iter(call))
+        start = time.monotonic()
+        c.hosts[1].stop()  # the decode worker dies: no more tokens, no more heartbeats
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "decode-0 stopped responding" in info.value.details()
+        assert time.monotonic() - start < 10  # not the request's 120 s deadline
+    finally:
+        c.close()
