@@ -119,7 +119,7 @@ class ZmqLink:
         start = time.perf_counter()
         self.sender.begin(rid, timeout_s=120)
         for i in range(0, len(pages), pages_per_frame):
-            self.sender.send_pages(rid, i, src.kv_cache.read_pages(pages[i : i + pages_per_frame]))
+            self.sender.send_cache_pages(rid, i, src.kv_cache, pages[i : i + pages_per_frame])
         state = self.sender.finish(rid)
         done_at, outcome = self.conn.recv()
         assert state is TransferState.DONE and outcome == "done", (state, outcome)

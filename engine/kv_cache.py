@@ -39,10 +39,12 @@ class KVCache:
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer_id], self.v[layer_id]
 
-    def read_pages(self, page_ids: list[int]) -> torch.Tensor:
-        """A copy of these pages across all layers: [2 (k, v), num_layers, n, page_size, kvh, d]."""
+    def read_pages(self, page_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of these pages across all layers: [2 (k, v), num_layers, n, page_size, kvh, d],
+        written into `out` when given (a reused buffer: no fresh memory to fault in)."""
         index = torch.tensor(page_ids, dtype=torch.int64, device=self.k[0].device)
-        out = self.k[0].new_empty((2, len(self.k), len(page_ids), *self.k[0].shape[1:]))
+        if out is None:
+            out = self.k[0].new_empty((2, len(self.k), len(page_ids), *self.k[0].shape[1:]))
         for side, tensors in enumerate((self.k, self.v)):
             for layer, t in enumerate(tensors):
                 torch.index_select(t, 0, index, out=out[side, layer])  # one copy, straight into place

@@ -95,7 +95,7 @@ class PrefillWorker:
             while job.pages_sent < ready:
                 n = min(self.pages_per_frame, ready - job.pages_sent)
                 first = kv.skip_pages + job.pages_sent
-                job.sender.send_pages(request_id, job.pages_sent, self.engine.kv_cache.read_pages(pages[first : first + n]))
+                job.sender.send_cache_pages(request_id, job.pages_sent, self.engine.kv_cache, pages[first : first + n])
                 job.pages_sent += n
         except TransportError as exc:
             self._end(request_id, job, job.sender.abort(request_id, str(exc)))

@@ -16,6 +16,7 @@ import enum
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,10 +155,11 @@ class TransportError(RuntimeError):
 
 
 class BaseFrameSender:
-    """Moves frames to one receiver. `send` may return before the bytes left (zero-copy);
-    `flush` waits until every sent payload may be reused or freed."""
+    """Moves frames to one receiver. `send` may return before the bytes left (zero-copy): it
+    returns a callable telling whether the payload's memory may be reused yet; `flush` waits
+    until that is true of every sent payload."""
 
-    def send(self, frame: Frame) -> None:
+    def send(self, frame: Frame) -> Callable[[], bool]:
         raise NotImplementedError
 
     def flush(self, timeout_s: float) -> bool:
@@ -176,6 +178,26 @@ class BaseFrameReceiver:
         pass
 
 
+class StagingBuffers:
+    """Reusable buffers for page frames. Pages are scattered in the cache, so a frame is
+    gathered into one buffer first; a fresh buffer each time costs more in page faults than
+    the copy itself, so buffers are recycled once the transport is done with them."""
+
+    def __init__(self) -> None:
+        self._buffers: list[tuple[torch.Tensor, Callable[[], bool]]] = []
+
+    def acquire(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for i, (buf, reusable) in enumerate(self._buffers):
+            if buf.shape == shape and buf.dtype == dtype and buf.device == device and reusable():
+                del self._buffers[i]
+                return buf
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def release(self, buf: torch.Tensor, reusable: Callable[[], bool]) -> None:
+        self._buffers.append((buf, reusable))
+        del self._buffers[:-8]  # keep a bounded number around
+
+
 class KVSender:
     """Sender-side rules: a transfer is sent page frames, then ends in exactly one state. The
     prefill worker releases its held KV after `finish` or `abort`, whatever the outcome."""
@@ -184,6 +206,7 @@ class KVSender:
         self.transport = transport
         self.checksum = checksum
         self.clock = clock
+        self.staging = StagingBuffers()
         self._deadlines: dict[str, float] = {}
         self._num_pages: dict[str, int] = {}
 
@@ -199,6 +222,17 @@ class KVSender:
             raise ValueError(f"no transfer in progress for {request_id!r}")
         self.transport.send(pages_frame(request_id, first_page, data, self.checksum))
         self._num_pages[request_id] = max(self._num_pages[request_id], first_page + int(data.shape[2]))
+
+    def send_cache_pages(self, request_id: str, first_page: int, kv_cache: KVCache, page_ids: list[int]) -> None:
+        """send_pages for pages read straight from a cache, through a recycled staging buffer."""
+        if request_id not in self._deadlines:
+            raise ValueError(f"no transfer in progress for {request_id!r}")
+        k = kv_cache.k[0]
+        buf = self.staging.acquire((2, len(kv_cache.k), len(page_ids), *k.shape[1:]), k.dtype, k.device)
+        kv_cache.read_pages(page_ids, out=buf)
+        reusable = self.transport.send(pages_frame(request_id, first_page, buf, self.checksum))
+        self.staging.release(buf, reusable)
+        self._num_pages[request_id] = max(self._num_pages[request_id], first_page + len(page_ids))
 
     def finish(self, request_id: str) -> TransferState:
         """Ends the transfer: DONE when every frame was handed over in time, else EXPIRED or

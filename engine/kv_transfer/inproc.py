@@ -4,6 +4,7 @@ socket would, so the same sender/receiver rules are tested without sockets."""
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 
 from engine.kv_transfer.base import BaseFrameReceiver, BaseFrameSender, Frame
 
@@ -22,12 +23,13 @@ class _Sender(BaseFrameSender):
     def __init__(self, channel: InProcChannel) -> None:
         self.channel = channel
 
-    def send(self, frame: Frame) -> None:
+    def send(self, frame: Frame) -> Callable[[], bool]:
         payload = bytes(frame.payload)  # the receiver must never see the sender's memory
         if self.channel.corrupt_next_payload and payload:
             payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
             self.channel.corrupt_next_payload = False
         self.channel._queue.put(Frame(dict(frame.header), payload))
+        return lambda: True  # copied above: the sender's buffer is free at once
 
 
 class _Receiver(BaseFrameReceiver):

@@ -9,6 +9,8 @@ and queues whole frames; per-source ordering keeps a sender's three messages tog
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import logging
 import queue
 import threading
@@ -51,7 +53,7 @@ class DistFrameSender(BaseFrameSender):
         self.dst = rank_of(address)
         self.device = device  # "cuda" for NCCL: tensors must live on the GPU
 
-    def send(self, frame: Frame) -> None:
+    def send(self, frame: Frame) -> Callable[[], bool]:
         header = msgpack.packb(frame.header, use_bin_type=True)
         payload = frame.payload
         try:
@@ -61,6 +63,7 @@ class DistFrameSender(BaseFrameSender):
                 dist.send(torch.frombuffer(payload, dtype=torch.uint8).to(self.device), self.dst)
         except RuntimeError as exc:
             raise TransportError(f"torch.distributed send to rank {self.dst} failed: {exc}") from exc
+        return lambda: True  # dist.send returns once the bytes are out
 
 
 class DistFrameReceiver(BaseFrameReceiver):

@@ -6,6 +6,8 @@ alive until the tracker says ZMQ is done with them). Nothing is pickled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import time
 
 import msgpack
@@ -56,7 +58,7 @@ class ZmqFrameSender(BaseFrameSender):
         self._sock.connect(f"tcp://{address}")
         self._in_flight: list[tuple[zmq.MessageTracker, object]] = []
 
-    def send(self, frame: Frame) -> None:
+    def send(self, frame: Frame) -> Callable[[], bool]:
         header = msgpack.packb(frame.header, use_bin_type=True)
         parts = [header, frame.payload] if len(frame.payload) else [header]
         try:
@@ -66,6 +68,9 @@ class ZmqFrameSender(BaseFrameSender):
         except zmq.ZMQError as exc:
             raise TransportError(str(exc)) from exc
         self._in_flight.append((tracker, frame.payload))  # keep the bytes alive until sent
+        if len(self._in_flight) > 64:  # drop the entries ZMQ is done with
+            self._in_flight = [(t, p) for t, p in self._in_flight if not t.done]
+        return lambda: tracker.done
 
     def flush(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

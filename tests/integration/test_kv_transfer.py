@@ -160,3 +160,19 @@ def test_zmq_send_without_a_receiver_fails_fast():
         sender.send_pages("r", 0, torch.zeros(2, 1, 1, 4, 1, 8))
     assert sender.abort("r", "no receiver") is TransferState.ABORTED
     frames.close()
+
+
+def test_staging_buffers_are_reused_only_when_the_transport_is_done():
+    import torch
+
+    from engine.kv_transfer.base import StagingBuffers
+
+    pool = StagingBuffers()
+    shape, cpu = (2, 1, 1, 4, 1, 8), torch.device("cpu")
+    first = pool.acquire(shape, torch.float32, cpu)
+    in_flight = {"done": False}
+    pool.release(first, lambda: in_flight["done"])
+    assert pool.acquire(shape, torch.float32, cpu) is not first  # still being sent
+    in_flight["done"] = True
+    assert pool.acquire(shape, torch.float32, cpu) is first
+    assert pool.acquire((1,), torch.float32, cpu).shape == (1,)  # other shapes get their own
