@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 import pytest
 import yaml
 
@@ -94,5 +95,5 @@ def test_unreadable_files_are_clear(tmp_path):
 
 def test_config_is_frozen():
     cfg = ClusterConfig.model_validate(base())
-    with pytest.raises(Exception, match="frozen"):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.router.grpc_port = 1  # type: ignore[misc]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -172,7 +174,7 @@ def test_rope_scaling_captured_and_frozen():
     # The dict view is a copy: mutating it does not change the config.
     c.rope_scaling_dict["factor"] = 1.0
     assert c.rope_scaling_dict["factor"] == 8.0
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.rope_theta = 1.0  # type: ignore[misc]
 
 
