@@ -36,7 +36,8 @@ class WorkerActor:
 
 @ray.remote
 class RouterActor:
-    def __init__(self, model: str, cache_dir: str | None, router_kwargs: dict, host: str, port: int) -> None:
+    def __init__(self, model: str, cache_dir: str | None, router_kwargs: dict, host: str, port: int,
+                 http_port: int | None = None) -> None:
         from engine.loader import resolve_model_path
         from router.server import Router
         from router.worker_pool import WorkerEndpoint
@@ -49,11 +50,19 @@ class RouterActor:
         self.thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)
         self.thread.start()
         self.port = asyncio.run_coroutine_threadsafe(self.router.start(host, port), self.loop).result(30)
+        self.http = None
+        if http_port is not None:  # the OpenAI-compatible front door, on the same event loop
+            from router.openai_http import OpenAIServer
+
+            self.http = OpenAIServer(self.router, model_dir, model)
+            asyncio.run_coroutine_threadsafe(self.http.start(host, http_port), self.loop).result(30)
 
     def ready(self) -> bool:
         """True once every role the mode needs has a live worker."""
         return self.router.is_ready()
 
     def stop(self) -> None:
+        if self.http is not None:
+            asyncio.run_coroutine_threadsafe(self.http.stop(), self.loop).result(10)
         asyncio.run_coroutine_threadsafe(self.router.stop(0.5), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -106,14 +106,15 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             "kv_timeout_s": config.kv_transfer.timeout_s, "lease_s": config.kv_transfer.reservation_lease_s,
         }
         router = RouterActor.options(name="pdserve-router", num_cpus=0).remote(
-            config.model, None, router_kwargs, config.router.host, config.router.grpc_port)
+            config.model, None, router_kwargs, config.router.host, config.router.grpc_port, config.router.http_port)
         deadline = time.monotonic() + timeout_s
         say("router: waiting for every worker's heartbeat ...")
         while not ray.get(router.ready.remote(), timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() > deadline:
                 raise TimeoutError("router: workers did not report healthy in time")
             time.sleep(0.2)
-        say(f"router: serving gRPC on {host}:{config.router.grpc_port}")
+        say(f"router: serving gRPC on {host}:{config.router.grpc_port}"
+            + (f", OpenAI-compatible HTTP on {host}:{config.router.http_port}" if config.router.http_port else ""))
     except BaseException:
         for actor in workers.values():
             ray.kill(actor)

@@ -111,13 +111,18 @@ class Router:
 
     async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self.run(request, context.time_remaining()):
+            yield response
+
+    async def run(self, request: pb.GenerateRequest, time_remaining_s: float | None = None
+                  ) -> AsyncIterator[pb.GenerateResponse]:
+        """One request through admission, validation and its journey (both front doors)."""
         if self.num_in_flight >= self.max_queued_requests:
             raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{self.num_in_flight} requests in flight: over the bound of {self.max_queued_requests}")
         journey = validate(request, self.tokenizer, self.max_model_len, self.default_timeout_s)
-        remaining = context.time_remaining()
-        if remaining is not None:  # the client's gRPC deadline, if sooner
-            journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + remaining))
+        if time_remaining_s is not None:  # the client's own deadline, if sooner
+            journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + time_remaining_s))
         self.num_in_flight += 1
         try:
             async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings):

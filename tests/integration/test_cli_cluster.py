@@ -121,9 +121,13 @@ def test_generate_without_a_cluster_is_a_clear_error(tmp_path):
 
 def test_demo_runs_the_readme_main_job(tmp_path):
     config = write_config(tmp_path, "disaggregated")
+    cfg = yaml.safe_load(config.read_text())
+    cfg["router"]["http_port"] = free_port()  # the HTTP front door starts (and stops) with it
+    config.write_text(yaml.safe_dump(cfg))
     proc = pdserve("demo", str(config), "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos",
                    tmp_path=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     offline = pdserve("complete", "def fibonacci(n):", "--max-tokens", "16", "--ignore-eos", tmp_path=tmp_path)
     assert offline.stdout.strip() in proc.stdout
     assert "cluster stopped" in proc.stdout
+    assert f"OpenAI-compatible HTTP on 127.0.0.1:{cfg['router']['http_port']}" in proc.stdout

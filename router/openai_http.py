@@ -1,0 +1,199 @@
+"""The OpenAI-compatible HTTP front door: /v1/completions, /v1/chat/completions (JSON or
+server-sent events), /v1/models and /health, served by the router beside gRPC.
+
+Each request is translated into the same GenerateRequest the gRPC service takes and runs
+through `Router.run` (validation, admission, journey), so both doors behave alike. Errors use
+OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the matching HTTP
+status. Chat prompts are rendered with the model's chat template (tokenizer_config.json), or
+with DEFAULT_CHAT_TEMPLATE when it has none.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import jinja2.sandbox
+from aiohttp import web
+
+from proto import pdserve_pb2 as pb
+from router.journey import RouterError
+from router.server import Router
+
+# Used when the model ships no chat template: one line per turn, then the assistant's cue.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                             status=status)
+
+
+class OpenAIServer:
+    def __init__(self, router: Router, model_dir: str | Path, model_name: str) -> None:
+        self.router = router
+        self.model_name = model_name
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        self.chat_template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
+        self.app = web.Application()
+        self.app.add_routes([
+            web.get("/health", self.health), web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+        ])
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self._runner = web.AppRunner(self.app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]  # the bound port (port 0 picks one)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready = self.router.is_ready()
+        return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pdserve"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            grpc_request = self._to_grpc(body, chat)
+        except (BadRequest, json.JSONDecodeError, ValueError, TypeError) as exc:
+            return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        stream = bool(body.get("stream"))
+        responses = self.router.run(grpc_request)
+        try:
+            first = await anext(responses)  # errors before anything was sent become HTTP errors
+        except RouterError as exc:
+            status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+            return error_response(status, str(exc), kind)
+        if not stream:
+            text, last = [first.text], first
+            async for r in responses:
+                text.append(r.text)
+                last = r
+            return web.json_response(self._body(rid, created, chat, "".join(text), FINISH.get(last.finish_reason),
+                                                last.usage, final=True, stream=False))
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        try:
+            if chat:  # OpenAI streams the role first
+                await self._event(out, self._body(rid, created, chat, None, None, None, final=False, stream=True))
+            response = first
+            while True:
+                done = response.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                if response.text or done:
+                    await self._event(out, self._body(rid, created, chat, response.text, FINISH.get(response.finish_reason),
+                                                      response.usage if done else None, final=done, stream=True))
+                if done:
+                    break
+                response = await anext(responses)
+        except RouterError as exc:
+            status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+            await self._event(out, {"error": {"message": str(exc), "type": kind, "param": None, "code": status}})
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def _event(self, out: web.StreamResponse, payload: dict) -> None:
+        await out.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def _body(self, rid: str, created: int, chat: bool, text: str | None, finish: str | None, usage, final: bool,
+              stream: bool) -> dict:
+        if chat:
+            if stream:
+                delta = {"role": "assistant"} if text is None else {"content": text}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            kind = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            kind = "text_completion"
+        body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+        if final and usage is not None:
+            body["usage"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                             "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+        return body
+
+    def _to_grpc(self, body: dict, chat: bool) -> pb.GenerateRequest:
+        if body.get("n", 1) != 1:
+            raise BadRequest("only n=1 is supported", "n")
+        if body.get("model") not in (None, self.model_name):
+            raise BadRequest(f"model {body.get('model')!r} is not served here; use {self.model_name!r}", "model")
+        req = pb.GenerateRequest()
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+                raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+            req.text = self.chat_template.render(messages=messages, add_generation_prompt=True)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one
+            if isinstance(prompt, str):
+                req.text = prompt
+            elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                  for t in prompt):
+                req.token_ids.ids.extend(prompt)
+            else:
+                raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        s = req.sampling
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
+                                  ("top_p", body.get("top_p"), float), ("top_k", body.get("top_k"), int),
+                                  ("seed", body.get("seed"), int)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+                raise BadRequest(f"{name} must be a number", name)
+            if kind is int and value < 0:
+                raise BadRequest(f"{name} must be >= 0", name)
+            setattr(s, name, value)
+        stop = body.get("stop")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+                raise BadRequest("stop must be a string or a list of strings", "stop")
+            s.stop.extend(stops)
+        s.ignore_eos = bool(body.get("ignore_eos", False))
+        return req

@@ -1,0 +1,107 @@
+"""The OpenAI-compatible HTTP front door, driven by the official `openai` client library
+against a real in-process cluster: completions and chat, streaming and not, token-id
+prompts, /v1/models, /health, and OpenAI-shaped errors with the right HTTP status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from cluster.local_cluster import LocalCluster
+from configs import EngineConfig
+from proto import pdserve_pb2 as pb
+from router.openai_http import OpenAIServer
+
+openai = pytest.importorskip("openai")
+MODEL = "builtin:tiny"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir):
+    cluster = LocalCluster(tiny_dir, "colocated", EngineConfig(model=MODEL, page_size=8))
+    server = OpenAIServer(cluster.router, tiny_dir, MODEL)
+    port = asyncio.run_coroutine_threadsafe(server.start("127.0.0.1", 0), cluster.loop).result(10)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    yield cluster, client, port
+    asyncio.run_coroutine_threadsafe(server.stop(), cluster.loop).result(10)
+    cluster.close()
+
+
+def grpc_text(cluster, **kwargs) -> str:
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True), **kwargs)
+    return cluster.stub.GenerateUnary(req, timeout=60).text
+
+
+def test_completion_matches_grpc(served):
+    cluster, client, _ = served
+    out = client.completions.create(model=MODEL, prompt="def main():", max_tokens=12, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == grpc_text(cluster, text="def main():")
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == len(cluster.router.tokenizer.encode("def main():"))
+
+
+def test_streaming_completion_and_token_id_prompt(served):
+    cluster, client, _ = served
+    ids = [0, 11, 12, 13]
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=12, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == grpc_text(cluster, token_ids=pb.TokenIds(ids=ids))
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_streaming_and_not(served):
+    cluster, client, _ = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.role == "assistant"
+    parts = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
+                                                extra_body={"ignore_eos": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
+    # The default template (the tiny model has none) as documented in router/openai_http.py:
+    prompt = "<|system|>\nBe brief.\n<|user|>\nHello!\n<|assistant|>\n"
+    assert whole.choices[0].message.content == grpc_text(cluster, text=prompt)[: len(whole.choices[0].message.content)]
+
+
+def test_models_and_health(served):
+    _, client, port = served
+    assert [m.id for m in client.models.list()] == [MODEL]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "message"),
+    [
+        ({"prompt": "x", "temperature": -1}, None, "temperature must be a finite number >= 0"),
+        ({"prompt": "x", "top_p": 2}, None, r"top_p must be in \(0, 1\]"),
+        ({"prompt": "x", "n": 2}, "n", "only n=1 is supported"),
+        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+        ({"prompt": "x", "model": "gpt-4"}, "model", "is not served here"),
+        ({"prompt": ""}, None, "prompt text is empty"),
+    ],
+)
+def test_errors_have_openai_shape(served, kwargs, param, message):
+    _, client, _ = served
+    kwargs = {"model": MODEL, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**kwargs)
+    assert info.value.status_code == 400
+    err = info.value.body
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    import re
+
+    assert re.search(message, err["message"]), err
+
+
+def test_malformed_json_is_400(served):
+    _, _, port = served
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 400 and "error" in json.loads(info.value.read())
