@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front door: /v1/completions, /v1/chat/completions (JSON or
-server-sent events), /v1/models and /health, served by the router beside gRPC.
+server-sent events), /v1/models, /health and the router's Prometheus /metrics, served by the
+router beside gRPC.
 
 Each request is translated into the same GenerateRequest the gRPC service takes and runs
 through `Router.run` (validation, admission, journey), so both doors behave alike. Errors use
@@ -58,7 +59,7 @@ class OpenAIServer:
         self.chat_template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
         self.app = web.Application()
         self.app.add_routes([
-            web.get("/health", self.health), web.get("/v1/models", self.models),
+            web.get("/health", self.health), web.get("/metrics", self.metrics), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
         ])
         self._runner: web.AppRunner | None = None
@@ -77,6 +78,10 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         ready = self.router.is_ready()
         return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.router.metrics.exposition(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from router.journey import JourneySettings, RouterError, run_journey
+from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.tokenizer import RouterTokenizer
 from router.validation import deserialize_request, validate
@@ -59,6 +60,7 @@ class Router:
         self.roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
         self.default_timeout_s = default_timeout_s
         self.num_in_flight = 0
+        self.metrics = RouterMetrics()
         self.pool: WorkerPool | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -117,18 +119,45 @@ class Router:
     async def run(self, request: pb.GenerateRequest, time_remaining_s: float | None = None
                   ) -> AsyncIterator[pb.GenerateResponse]:
         """One request through admission, validation and its journey (both front doors)."""
-        if self.num_in_flight >= self.max_queued_requests:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{self.num_in_flight} requests in flight: over the bound of {self.max_queued_requests}")
-        journey = validate(request, self.tokenizer, self.max_model_len, self.default_timeout_s)
+        try:
+            if self.num_in_flight >= self.max_queued_requests:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.num_in_flight} requests in flight: "
+                                  f"over the bound of {self.max_queued_requests}")
+            journey = validate(request, self.tokenizer, self.max_model_len, self.default_timeout_s)
+        except RouterError as exc:
+            self.metrics.errors.labels(exc.code.name).inc()
+            raise
         if time_remaining_s is not None:  # the client's own deadline, if sooner
             journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + time_remaining_s))
         self.num_in_flight += 1
+        self.metrics.in_flight.inc()
+        start = last = time.monotonic()
+        ttft = None
+        num_tokens = 0
         try:
             async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings):
+                now = time.monotonic()
+                if response.token_ids:
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                num_tokens += len(response.token_ids)
+                if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    self.metrics.request_finished(pb.FinishReason.Name(response.finish_reason).removeprefix(
+                        "FINISH_REASON_").lower(), ttft, now - start, num_tokens, response.usage.prompt_tokens,
+                        response.usage.cached_prompt_tokens)
                 yield response
+        except RouterError as exc:
+            self.metrics.errors.labels(exc.code.name).inc()
+            raise
+        except asyncio.CancelledError:
+            self.metrics.errors.labels(grpc.StatusCode.CANCELLED.name).inc()
+            raise
         finally:
             self.num_in_flight -= 1
+            self.metrics.in_flight.dec()
 
 
 class _GenerationService(pdserve_pb2_grpc.GenerationServicer):

@@ -105,3 +105,30 @@ def test_malformed_json_is_400(served):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=10)
     assert info.value.code == 400 and "error" in json.loads(info.value.read())
+
+
+def test_metrics_after_traffic(served):
+    cluster, client, port = served
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line and not line.startswith("#")}
+
+    before = scrape()
+    client.completions.create(model=MODEL, prompt=[0, 5, 6, 7], max_tokens=5, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=-1)
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('pdserve_requests_finished_total{finish_reason="length"}') == 1
+    assert delta("pdserve_generation_tokens_total") == 5 and delta("pdserve_prompt_tokens_total") == 4
+    assert delta('pdserve_request_errors_total{status="INVALID_ARGUMENT"}') == 1
+    assert delta("pdserve_time_to_first_token_seconds_count") == 1
+    assert delta("pdserve_time_per_output_token_seconds_count") == 1
+    assert delta("pdserve_inter_token_latency_seconds_count") == 4
+    assert after["pdserve_requests_in_flight"] == 0
