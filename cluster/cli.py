@@ -185,6 +185,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.bench import bench
+    from cluster.bench_metrics import SLO
+
+    summary = bench(args.address, args.workload, args.num_prompts, args.input_len, args.output_len, args.rate,
+                    args.seed, args.vocab_size, Path(args.out), SLO(args.slo_ttft, args.slo_tpot))
+    return 0 if summary.num_failed == 0 else 1
+
+
 def _sampling_args(parser: argparse.ArgumentParser, served: bool = True) -> None:
     """Sampling flags; `served` adds those only the router applies (stop strings, deadline)."""
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate at most (default 48)")
@@ -237,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="prompt text")
     _sampling_args(demo)
     demo.set_defaults(func=_cmd_demo)
+
+    b = sub.add_parser("bench", help="drive a running router with a seeded workload and report TTFT/TPOT/ITL/goodput")
+    b.add_argument("--address", required=True, help="router gRPC address HOST:PORT")
+    b.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "prefix"])
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--input-len", type=int, default=128, help="prompt tokens (mixed: long ones are 8x)")
+    b.add_argument("--output-len", type=int, default=32, help="generated tokens per request (ignore_eos)")
+    b.add_argument("--rate", type=float, default=float("inf"), help="Poisson requests/s (default: a burst)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--vocab-size", type=int, default=4096, help="token ids are drawn below this")
+    b.add_argument("--slo-ttft", type=float, default=None, help="TTFT target in seconds (for goodput)")
+    b.add_argument("--slo-tpot", type=float, default=None, help="TPOT target in seconds (for goodput)")
+    b.add_argument("--out", default="bench-results", help="directory for the JSON and CSV results")
+    b.set_defaults(func=_cmd_bench)
 
     model = sub.add_parser("model", help="manage checkpoints")
     model_sub = model.add_subparsers(dest="model_command", required=True)
