@@ -29,17 +29,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
+from cluster.bench_metrics import percentile  # noqa: E402
 from cluster.local_cluster import free_port  # noqa: E402
 from configs import EngineConfig  # noqa: E402
 from engine import LLMEngine, SamplingParams  # noqa: E402
 from engine.kv_transfer import KVReceiver, KVSender, TransferState, poll  # noqa: E402
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender  # noqa: E402
 from proto import pdserve_pb2 as pb  # noqa: E402
-
-
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
 def raw_loopback_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
@@ -184,7 +180,7 @@ def main() -> int:
     engine_itl = engine_stream_in_subprocess(args.model, cfg, prompt, tokens)
     grpc_itl = stream_through_cluster(args.model, cfg, prompt, tokens)
     for p in (50, 99):
-        e, g = pct(engine_itl, p), pct(grpc_itl, p)
+        e, g = percentile(engine_itl, p), percentile(grpc_itl, p)
         print(f"  p{p}: engine in-process {1000 * e:6.2f} ms/token, through gRPC {1000 * g:6.2f} ms/token, "
               f"overhead {1000 * (g - e):+6.2f} ms ({(g - e) / e:+.1%})")
     return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,18 +30,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
+from cluster.bench_metrics import summarize  # noqa: E402
 from configs import EngineConfig  # noqa: E402
 from engine import LLMEngine, SamplingParams  # noqa: E402
 from engine.loader import DTYPES  # noqa: E402
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    s = sorted(values)
-
-    def pct(p: float) -> float:
-        return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
-
-    return {"p50": pct(50), "p90": pct(90), "p99": pct(99), "mean": statistics.fmean(s)}
 
 
 def fmt_ms(stats: dict[str, float]) -> str:
@@ -137,7 +128,7 @@ def main() -> int:
     bandwidth = measure_read_bandwidth(weight_bytes)
     floor = weight_bytes / bandwidth
     decode = batch1_decode(engine, vocab)
-    d = percentiles(decode)
+    d = summarize(decode)
     print(f"\n[batch-1 decode] read bandwidth {bandwidth / 1e9:.1f} GB/s -> floor {1000 * floor:.2f} ms/token")
     print(f"  per-token {fmt_ms(d)}")
     print(f"  ratio p50 / floor = {d['p50'] / floor:.2f}x   (target <= 1.5x)")
@@ -150,7 +141,7 @@ def main() -> int:
     wall, itl, ours = run_engine(engine, workload)
     print(f"  pdserve engine: {wall:.1f} s, {useful / wall:.1f} output tok/s, "
           f"{(useful + prompt_tokens) / wall:.1f} total tok/s, {engine.num_steps} steps")
-    print(f"  inter-token latency {fmt_ms(percentiles(itl))}")
+    print(f"  inter-token latency {fmt_ms(summarize(itl))}")
     if args.skip_hf:
         return 0
     from transformers import AutoModelForCausalLM

@@ -60,8 +60,7 @@ class ModelConfig:
         gen_file = Path(path) / "generation_config.json"
         if gen_file.is_file():
             gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
-            extra = tuple(gen_eos) if isinstance(gen_eos, list) else (() if gen_eos is None else (gen_eos,))
-            cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + extra)))
+            cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + _id_tuple(gen_eos))))
         return cfg
 
     @staticmethod
@@ -99,8 +98,6 @@ class ModelConfig:
         rope_params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
         rope_theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
         rope_params.pop("rope_theta", None)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -118,9 +115,14 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _id_tuple(value: Any) -> tuple[int, ...]:
+    """HF configs give eos_token_id as an int, a list, or null."""
+    return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
