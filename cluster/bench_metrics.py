@@ -21,6 +21,7 @@ class RequestRecord:
     prompt_tokens: int
     ok: bool = True
     error: str = ""
+    kind: str = ""  # the workload's request class ("short"/"long" in mixed), for per-class percentiles
 
     @property
     def ttft(self) -> float | None:
@@ -61,6 +62,14 @@ class SLO:
     ttft_s: float | None = None
     tpot_s: float | None = None
 
+    def is_set(self) -> bool:
+        return self.ttft_s is not None or self.tpot_s is not None
+
+    def scaled(self, factor: float) -> SLO:
+        """Both targets times `factor`: attainment against a looser (> 1) or tighter (< 1) SLO."""
+        return SLO(None if self.ttft_s is None else self.ttft_s * factor,
+                   None if self.tpot_s is None else self.tpot_s * factor)
+
     def met_by(self, r: RequestRecord) -> bool:
         if not r.ok or r.ttft is None:
             return False
@@ -93,7 +102,7 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: SLO 
         ttft=summarize([r.ttft for r in ok]), tpot=summarize([r.tpot for r in ok if r.tpot is not None]),
         itl=summarize([g for r in ok for g in r.itls]), e2e=summarize([r.e2e for r in ok]),
     )
-    if slo is not None and records:
+    if slo is not None and slo.is_set() and records:
         met = sum(1 for r in records if slo.met_by(r))
         out.goodput = met / duration_s if duration_s > 0 else math.nan
         out.attainment = met / len(records)
