@@ -6,7 +6,10 @@
     pdserve complete "def add(a, b):" --max-tokens 32   # offline, in-process, no cluster
     pdserve model build builtin:tiny --out ./tiny       # write a checkpoint
 
-Sub-commands arrive with their issues (`scale`, `status`, `bench`).
+    pdserve bench --address 127.0.0.1:50051 --workload mixed --rates 1,2   # load-test a router
+    pdserve bench compare a.yaml b.yaml --workload mixed                 # each config in turn, ratios
+
+Sub-commands arrive with their issues (`scale`, `status`).
 """
 
 from __future__ import annotations
@@ -185,13 +188,65 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from cluster.bench import bench
+def _bench_plan(args: argparse.Namespace):
+    """The BenchPlan the workload flags describe (shared by `bench` and `bench compare`)."""
+    from cluster.bench import BenchPlan
     from cluster.bench_metrics import SLO
+    from cluster.bench_workloads import LengthDist, WorkloadSpec
 
-    summary = bench(args.address, args.workload, args.num_prompts, args.input_len, args.output_len, args.rate,
-                    args.seed, args.vocab_size, Path(args.out), SLO(args.slo_ttft, args.slo_tpot))
-    return 0 if summary.num_failed == 0 else 1
+    spec = WorkloadSpec(
+        args.workload, args.num_prompts,
+        LengthDist(args.input_len, args.input_dist, args.input_range_ratio),
+        LengthDist(args.output_len, args.output_dist, args.output_range_ratio),
+        vocab_size=args.vocab_size, seed=args.seed, long_fraction=args.long_fraction, long_factor=args.long_factor,
+        num_prefixes=args.num_prefixes, suffix_len=args.suffix_len)
+    rates = tuple(args.rates) if args.rates else (args.rate,) if args.rate is not None else (float("inf"),)
+    return BenchPlan(spec, rates, args.burstiness, args.max_concurrency, SLO(args.slo_ttft, args.slo_tpot),
+                     args.warmup)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.bench import run_bench
+    from cluster.bench_plots import plot_results
+    from cluster.bench_results import write_result
+
+    if args.address is None:
+        raise SystemExit("pdserve: bench needs --address (gRPC HOST:PORT, or the HTTP base URL with --backend openai)")
+    plan = _bench_plan(args)
+    label = args.label or args.workload
+    result = run_bench(args.backend, args.address, plan, label, model=args.model, progress=not args.no_progress)
+    out = Path(args.out)
+    paths = [*write_result(result, out)] + ([] if args.no_plots else plot_results([result], out, prefix=f"{label}-"))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if all(r.ok for run in result.runs for r in run.records) else 1
+
+
+def _cmd_bench_plot(args: argparse.Namespace) -> int:
+    from cluster.bench_plots import plot_results
+    from cluster.bench_results import load_result
+
+    results = [load_result(p) for p in args.results]
+    labels = [r.label for r in results]
+    if len(set(labels)) != len(labels):
+        print(f"pdserve: warning: results share labels {labels}; give each run its own --label", file=sys.stderr)
+    paths = plot_results(results, Path(args.out))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _cmd_bench_compare(args: argparse.Namespace) -> int:
+    from cluster import launcher
+    from cluster.bench_compare import run_compare
+
+    for config in args.configs:  # its ports are taken: refuse before starting anything
+        state = launcher.read_state(config)
+        if state and _pid_alive(state["pid"]):
+            raise SystemExit(f"pdserve: a cluster for {config} is already up (pid {state['pid']}); "
+                             f"run 'pdserve down {config}' first")
+    results = run_compare([Path(c) for c in args.configs], _bench_plan(args), args.backend, Path(args.out),
+                          timeout_s=args.timeout, progress=not args.no_progress,
+                          say=lambda line: print(line, flush=True))
+    return 0 if all(r.ok for res in results for run in res.runs for r in run.records) else 1
 
 
 def _sampling_args(parser: argparse.ArgumentParser, served: bool = True) -> None:
@@ -205,6 +260,56 @@ def _sampling_args(parser: argparse.ArgumentParser, served: bool = True) -> None
     if served:
         parser.add_argument("--stop", action="append", help="stop string (repeatable)")
         parser.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates like 1,2,4 (or inf), got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return rates
+
+
+def _bench_workload_args(parser: argparse.ArgumentParser, default_out: str) -> None:
+    """What to send and how: the same flags for `bench` and `bench compare`."""
+    from cluster.bench_workloads import LENGTH_DISTS, WORKLOADS
+
+    parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                        help="grpc: pdserve's router; openai: any server's streaming /v1/completions (default grpc)")
+    w = parser.add_argument_group("workload (seeded: the same flags send the same tokens at the same times)")
+    w.add_argument("--workload", default="fixed", choices=WORKLOADS,
+                   help="fixed: lengths from the distributions; mixed: short prompts plus a --long-fraction of "
+                   "--long-factor times longer ones; prefix: --num-prefixes shared prefixes + unique suffixes; "
+                   "throughput: fixed-shaped burst (see --max-concurrency); sweep: fixed-shaped at each of --rates")
+    w.add_argument("--num-prompts", type=int, default=32, help="requests per rate (default 32)")
+    w.add_argument("--input-len", type=int, default=128, help="mean prompt tokens (prefix: the shared prefix's)")
+    w.add_argument("--input-dist", choices=LENGTH_DISTS, default="fixed",
+                   help="fixed; uniform in len*(1 -/+ ratio); exponential with that mean, clipped at 4x (default fixed)")
+    w.add_argument("--input-range-ratio", type=float, default=0.0, help="uniform's half-width as a fraction of the mean")
+    w.add_argument("--output-len", type=int, default=32, help="mean generated tokens (exact: ignore_eos)")
+    w.add_argument("--output-dist", choices=LENGTH_DISTS, default="fixed", help="as --input-dist")
+    w.add_argument("--output-range-ratio", type=float, default=0.0, help="as --input-range-ratio")
+    w.add_argument("--long-fraction", type=float, default=0.1, help="mixed: share of long prompts (default 0.1)")
+    w.add_argument("--long-factor", type=int, default=8, help="mixed: long prompt = this x --input-len (default 8)")
+    w.add_argument("--num-prefixes", type=int, default=4, help="prefix: shared prefixes; 0 = no-sharing control")
+    w.add_argument("--suffix-len", type=int, default=16, help="prefix: unique tokens after the prefix (default 16)")
+    w.add_argument("--vocab-size", type=int, default=4096, help="token ids are drawn from [3, this) (default 4096)")
+    w.add_argument("--seed", type=int, default=0)
+    a = parser.add_argument_group("arrivals")
+    rate = a.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, default=None, help="requests/s, Poisson (default: a burst)")
+    rate.add_argument("--rates", type=_rate_list, help="several rates, one run each: 1,2,4 (sweep needs these)")
+    a.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier (default 1)")
+    a.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
+    a.add_argument("--warmup", type=int, default=1, help="unmeasured requests sent first (default 1)")
+    m = parser.add_argument_group("SLO and output")
+    m.add_argument("--slo-ttft", type=float, default=None, help="TTFT target in seconds (goodput, attainment)")
+    m.add_argument("--slo-tpot", type=float, default=None, help="TPOT target in seconds (goodput, attainment)")
+    m.add_argument("--out", default=default_out, help=f"directory for results and plots (default {default_out})")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,19 +352,37 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    b = sub.add_parser("bench", help="drive a running router with a seeded workload and report TTFT/TPOT/ITL/goodput")
-    b.add_argument("--address", required=True, help="router gRPC address HOST:PORT")
-    b.add_argument("--workload", default="fixed", choices=["fixed", "mixed", "prefix"])
-    b.add_argument("--num-prompts", type=int, default=32)
-    b.add_argument("--input-len", type=int, default=128, help="prompt tokens (mixed: long ones are 8x)")
-    b.add_argument("--output-len", type=int, default=32, help="generated tokens per request (ignore_eos)")
-    b.add_argument("--rate", type=float, default=float("inf"), help="Poisson requests/s (default: a burst)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--vocab-size", type=int, default=4096, help="token ids are drawn below this")
-    b.add_argument("--slo-ttft", type=float, default=None, help="TTFT target in seconds (for goodput)")
-    b.add_argument("--slo-tpot", type=float, default=None, help="TPOT target in seconds (for goodput)")
-    b.add_argument("--out", default="bench-results", help="directory for the JSON and CSV results")
+    b = sub.add_parser(
+        "bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="load-test a running server (gRPC or OpenAI HTTP); 'bench plot', 'bench compare'",
+        description="Drive a running server with a seeded workload; report TTFT/TPOT/ITL/E2E percentiles, "
+        "throughput, goodput and SLO attainment; write JSON, CSV and PNG plots.",
+        epilog="""examples:
+  pdserve bench --address 127.0.0.1:50051 --workload mixed --rate 2 --slo-ttft 1 --slo-tpot 0.1
+  pdserve bench --backend openai --address http://127.0.0.1:8000 --workload sweep --rates 1,2,4
+  pdserve bench --address 127.0.0.1:50051 --workload throughput --max-concurrency 16
+  pdserve bench plot results/a.json results/b.json --out plots
+  pdserve bench compare configs/bench/colocated-small.yaml configs/bench/disagg-small.yaml --workload mixed""")
+    b.add_argument("--address", help="gRPC HOST:PORT, or with --backend openai the base URL (http://HOST:PORT)")
+    _bench_workload_args(b, default_out="bench-results")
+    b.add_argument("--model", help="--backend openai: model name to request (default: the server's first)")
+    b.add_argument("--label", help="names this system/config in the files and on plots (default: the workload)")
+    b.add_argument("--no-plots", action="store_true", help="write JSON and CSV only")
     b.set_defaults(func=_cmd_bench)
+    bench_sub = b.add_subparsers(dest="bench_command", metavar="{plot,compare}")
+    plot = bench_sub.add_parser("plot", help="overlay the plots of saved results (one line per --label)")
+    plot.add_argument("results", nargs="+", help="RESULT.json files written by 'pdserve bench'")
+    plot.add_argument("--out", default="bench-plots", help="directory for the PNGs (default bench-plots)")
+    plot.set_defaults(func=_cmd_bench_plot)
+    compare = bench_sub.add_parser(
+        "compare", help="run one workload against several cluster configs in turn and print ratios",
+        description="For each CONFIG.yaml in turn: start the cluster (as 'pdserve up'), run the workload at "
+        "each rate, stop it. Writes each result (labelled by the config's file name), overlay plots and "
+        "compare.md: a table with ratios against the first config.")
+    compare.add_argument("configs", nargs="+", metavar="CONFIG.yaml", help="cluster configs; the first is the baseline")
+    _bench_workload_args(compare, default_out="bench-compare")
+    compare.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each cluster (default 300)")
+    compare.set_defaults(func=_cmd_bench_compare)
 
     model = sub.add_parser("model", help="manage checkpoints")
     model_sub = model.add_subparsers(dest="model_command", required=True)
