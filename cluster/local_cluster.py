@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.worker_host import WorkerHost
 from configs import EngineConfig
+from engine.peak import Peak
 from proto import pdserve_pb2_grpc
 from router.server import Router
 from router.worker_pool import WorkerEndpoint
@@ -27,17 +28,20 @@ def free_port() -> int:
 
 class LocalCluster:
     def __init__(self, model_dir, mode: str, engine: EngineConfig, max_queued_requests: int = 64,
-                 ready_timeout_s: float = 60.0) -> None:
+                 ready_timeout_s: float = 60.0, metrics_peak: Peak | None = None, **router_options) -> None:
+        """`metrics_peak`: serve each worker's /metrics on a free port (`metrics_address`),
+        measuring MBU / MFU against this peak; `router_options`: more Router settings (SLOs)."""
         event = f"127.0.0.1:{free_port()}"
         roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
         self.hosts = [WorkerHost(role, f"{role}-0", engine, "127.0.0.1", free_port(), event,
-                                 kv_port=free_port() if role == "decode" else None, kv_checksum=True)
+                                 kv_port=free_port() if role == "decode" else None, kv_checksum=True,
+                                 metrics_port=free_port() if metrics_peak else None, peak=metrics_peak)
                       for role in roles]
         for h in self.hosts:
             h.start()
         endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]
         self.router = Router(model_dir, endpoints, event, mode, max_queued_requests=max_queued_requests,
-                             kv_timeout_s=30, lease_s=30)
+                             kv_timeout_s=30, lease_s=30, **router_options)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -51,6 +55,10 @@ class LocalCluster:
                 self.close()
                 raise TimeoutError("the local cluster never became healthy")
             time.sleep(0.05)
+
+    def metrics_address(self, worker_id: str) -> str:
+        host = next(h for h in self.hosts if h.worker_id == worker_id)
+        return f"127.0.0.1:{host.metrics_port}"
 
     def wait_pages_free(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,5 +1,7 @@
 """Hosts one worker role with its sockets on a background thread: what each Ray worker actor
-runs (and what tests start directly). Composition only: engine + role + sockets + loop.
+runs (and what tests start directly). Composition only: engine + role + sockets + loop, and,
+with a metrics port, the worker's Prometheus /metrics (engine/metrics.py) fed by the engine's
+step observer and the KV transfer observers.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
 from engine.kv_transfer import KVSender, torch_dist
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
+from engine.metrics import WorkerMetrics
+from engine.peak import Peak, measure_peak
 from engine.serving_loop import EventSink, serve
 from prefill_worker.worker import PrefillWorker
 from proto import worker_messages as wm
@@ -24,7 +28,10 @@ class WorkerHost:
     def __init__(self, role: str, worker_id: str, engine_config: EngineConfig, host: str, command_port: int,
                  router_event_address: str, kv_port: int | None = None, kv_checksum: bool = False,
                  kv_transport: str = "zmq", dist_rank: int | None = None, dist_world_size: int | None = None,
-                 dist_store_address: str | None = None) -> None:
+                 dist_store_address: str | None = None, metrics_port: int | None = None,
+                 peak: Peak | None = None) -> None:
+        """`metrics_port`: serve /metrics there (None = no metrics); `peak`: what MBU / MFU are
+        measured against (None = measured now, engine/peak.py)."""
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
         if kv_transport not in ("zmq", "torch_dist"):
@@ -38,6 +45,12 @@ class WorkerHost:
         self.role, self.worker_id = role, worker_id
         self.command_address = f"{host}:{command_port}"
         self.engine = LLMEngine(engine_config)
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_port = metrics_port
+        if metrics_port is not None:
+            peak = peak or measure_peak(engine_config.device, next(self.engine.model.parameters()).dtype)
+            self.metrics = WorkerMetrics(self.engine, worker_id, role, peak)
+            self.engine.add_step_observer(self.metrics.observe_step)
         self._host, self._kv_port, self._checksum = host, kv_port, kv_checksum
         self._router_event_address = router_event_address
         self._stop = threading.Event()
@@ -46,6 +59,8 @@ class WorkerHost:
         self.error: BaseException | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
+        if self.metrics is not None:
+            self.metrics.serve(self._host, self.metrics_port)
         self._thread.start()
         if not self._ready.wait(timeout_s) or self.error is not None:
             raise RuntimeError(f"worker {self.worker_id} did not start: {self.error or 'timed out'}")
@@ -53,6 +68,8 @@ class WorkerHost:
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
+        if self.metrics is not None:
+            self.metrics.close()
 
     def page_stats(self) -> dict[str, int]:
         return self.engine.page_stats()
@@ -74,6 +91,7 @@ class WorkerHost:
                 close()
 
     def _make_role(self, emit, closers):
+        observe_transfer = self.metrics.observe_transfer if self.metrics is not None else None
         if self.role == "colocated":
             return ColocatedWorker(self.worker_id, self.engine, emit)
         device = self.engine.config.device
@@ -89,7 +107,8 @@ class WorkerHost:
             else:
                 receiver = ZmqFrameReceiver(self._host, self._kv_port)
                 closers.append(receiver.close)
-            return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit)
+            return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
+                                transfer_observer=observe_transfer)
         senders: dict[str, KVSender] = {}
 
         def open_sender(address: str) -> KVSender:
@@ -99,7 +118,7 @@ class WorkerHost:
                 else:
                     frames = ZmqFrameSender(address)
                     closers.append(frames.close)
-                senders[address] = KVSender(frames, checksum=self._checksum)
+                senders[address] = KVSender(frames, checksum=self._checksum, observer=observe_transfer)
             return senders[address]
 
         return PrefillWorker(self.worker_id, self.engine, open_sender, emit)

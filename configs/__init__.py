@@ -6,5 +6,7 @@ Imports nothing from the project.
 
 from configs.cluster import ClusterConfig, ConfigError, load_cluster_config
 from configs.engine import EngineConfig, EngineSettings
+from configs.logging_setup import EventLog, LoggingConfig, setup_logging
 
-__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "EngineSettings", "load_cluster_config"]
+__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "EngineSettings", "EventLog", "LoggingConfig",
+           "load_cluster_config", "setup_logging"]

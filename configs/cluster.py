@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from configs.engine import EngineConfig, EngineSettings
+from configs.logging_setup import LoggingConfig
 
 
 class _Strict(BaseModel):
@@ -27,6 +28,10 @@ class RouterConfig(_Strict):
     max_queued_requests: int = Field(256, ge=1, description="admission bound: beyond it, RESOURCE_EXHAUSTED")
     policy: Literal["least_loaded", "prefix_affinity"] = "prefix_affinity"
     worker_event_port: int = Field(52000, ge=1, le=65535, description="workers push events to the router here")
+    # Live goodput (router /metrics): a request counts when it meets every target that is set.
+    slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token target; None = no target")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token target; None = no target")
+    slo_window_s: float = Field(60.0, gt=0, description="SLO attainment gauge covers requests finished this recently")
 
 
 class PoolConfig(_Strict):
@@ -37,6 +42,11 @@ class PoolConfig(_Strict):
     kv_base_port: int | None = Field(
         None, ge=1, le=65535, description="decode worker i receives KV on kv_base_port + i (decode pools only)"
     )
+    metrics_base_port: int | None = Field(
+        None, ge=1, le=65535, description="worker i serves Prometheus /metrics on metrics_base_port + i; None = off")
+    # Peaks that MBU / MFU are measured against; None = a rough measurement at start-up.
+    peak_memory_bandwidth_gbps: float | None = Field(None, gt=0, description="GB/s (1e9 bytes) per worker")
+    peak_tflops: float | None = Field(None, gt=0, description="dense TFLOP/s per worker, in the engine's dtype")
     engine: EngineSettings = EngineSettings()
 
 
@@ -62,6 +72,7 @@ class ClusterConfig(_Strict):
     colocated: PoolConfig | None = None
     kv_transfer: KVTransferConfig = KVTransferConfig()
     ray: RayConfig = RayConfig()
+    logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
     def _check_combination(self) -> "ClusterConfig":
@@ -112,10 +123,13 @@ class ClusterConfig(_Strict):
             bases = [("base_port", pool.base_port)]
             if pool.kv_base_port is not None:
                 bases.append(("kv_base_port", pool.kv_base_port))
+            if pool.metrics_base_port is not None:
+                bases.append(("metrics_base_port", pool.metrics_base_port))
+            suffix = {"base_port": "", "kv_base_port": " KV", "metrics_base_port": " metrics"}
             for field_name, base in bases:
                 for i in range(pool.num_workers):
                     port = base + i
-                    what = f"{name} worker {i}" + (" KV" if field_name == "kv_base_port" else "")
+                    what = f"{name} worker {i}{suffix[field_name]}"
                     if port > 65535:
                         raise ValueError(f"{name}.{field_name} + num_workers runs past port 65535")
                     if port in used:

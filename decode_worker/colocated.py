@@ -1,10 +1,13 @@
 """The colocated role: one engine does prefill and decode (chunked prefill interleaves them).
-The baseline every benchmark compares against, and the fallback when a pool is unhealthy."""
+The baseline every benchmark compares against, and the fallback when a pool is unhealthy.
+Lifecycle events (admitted, finished, aborted) go to the structured log under the router's
+request id."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from configs.logging_setup import EventLog
 from decode_worker.worker import sampling_params, tokens_message
 from engine import LLMEngine
 from proto.worker_messages import Abort, Failed, Generate
@@ -15,6 +18,7 @@ class ColocatedWorker:
         self.worker_id = worker_id
         self.engine = engine
         self.emit = emit
+        self.log = EventLog("colocated", worker_id)
 
     def handle(self, message: object) -> None:
         if isinstance(message, Generate):
@@ -22,9 +26,13 @@ class ColocatedWorker:
                 self.engine.add_request(message.request_id, list(message.prompt_token_ids),
                                         sampling_params(message.sampling))
             except ValueError as exc:
+                self.log.event("rejected", message.request_id, reason=str(exc))
                 self.emit(Failed(message.request_id, self.worker_id, "prefill", str(exc)))
+                return
+            self.log.event("admitted", message.request_id, prompt_tokens=len(message.prompt_token_ids))
         elif isinstance(message, Abort):
-            self.engine.abort_request(message.request_id)
+            if self.engine.abort_request(message.request_id):
+                self.log.event("aborted", message.request_id)
         else:
             raise ValueError(f"a colocated worker does not take {type(message).__name__}")
 
@@ -32,5 +40,8 @@ class ColocatedWorker:
         if not self.engine.has_unfinished_requests():
             return False
         for out in self.engine.step():
+            if out.finished:
+                self.log.event("finished", out.request_id, finish_reason=out.finish_reason.value,
+                               completion_tokens=len(out.token_ids))
             self.emit(tokens_message(self.worker_id, out))
         return True

@@ -5,7 +5,9 @@ Driven by a loop that calls `handle(message)` for router messages and `step()` r
 A request needs two things before it can decode: its KV transfer reported DONE by the
 receiver, and StartDecode (its first token) from the router; whichever comes second joins it.
 Every reservation ends exactly once: joined, cancelled by Abort, or dropped when its transfer
-fails or its lease runs out (the router hears Failed and may retry elsewhere).
+fails or its lease runs out (the router hears Failed and may retry elsewhere). Lifecycle events
+(reserved, transfer_received, joined, finished, aborted, failed) go to the structured log under
+the router's request id (configs/logging_setup.py).
 """
 
 from __future__ import annotations
@@ -13,9 +15,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from configs.logging_setup import EventLog
 from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.kv_transfer import BaseFrameReceiver, KVReceiver, TransferState, poll
-from proto.worker_messages import Abort, Failed, ReserveKV, Reserved, ReserveRejected, StartDecode, Tokens
+from engine.kv_transfer.base import TransferObserver
+from proto.worker_messages import (
+    Abort,
+    Failed,
+    Reserved,
+    ReserveKV,
+    ReserveRejected,
+    StartDecode,
+    Tokens,
+)
 
 
 def sampling_params(s) -> SamplingParams:
@@ -38,6 +50,7 @@ class DecodeWorker:
         kv_address: str,
         emit: Callable[[object], None],
         clock: Callable[[], float] = time.monotonic,
+        transfer_observer: TransferObserver | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.engine = engine
@@ -45,7 +58,8 @@ class DecodeWorker:
         self.kv_address = kv_address
         self.emit = emit
         self.clock = clock
-        self.receiver = KVReceiver(engine.kv_cache, clock)
+        self.receiver = KVReceiver(engine.kv_cache, clock, transfer_observer)
+        self.log = EventLog("decode", worker_id)
         self._received: dict[str, float] = {}  # KV in place, waiting for StartDecode until this time
         self._leases: dict[str, float] = {}
         self._starts: dict[str, StartDecode] = {}
@@ -57,7 +71,8 @@ class DecodeWorker:
             self._starts[message.request_id] = message
             self._join_ready()
         elif isinstance(message, Abort):
-            self._drop(message.request_id)
+            if self._drop(message.request_id):
+                self.log.event("aborted", message.request_id)
         else:
             raise ValueError(f"a decode worker does not take {type(message).__name__}")
 
@@ -68,6 +83,7 @@ class DecodeWorker:
         for outcome in poll(self.receiver, self.kv_transport, idle_wait_s if idle else 0.0):
             if outcome.state is TransferState.DONE:
                 self._received[outcome.request_id] = self._leases[outcome.request_id]
+                self.log.event("transfer_received", outcome.request_id)
             else:
                 self._fail(outcome.request_id, "transfer", f"KV transfer {outcome.state.value}: {outcome.detail}")
         now = self.clock()
@@ -77,8 +93,14 @@ class DecodeWorker:
         if not self.engine.has_unfinished_requests():
             return False
         for out in self.engine.step():
-            self.emit(tokens_message(self.worker_id, out))
+            self._emit_tokens(out)
         return True
+
+    def _emit_tokens(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.log.event("finished", out.request_id, finish_reason=out.finish_reason.value,
+                           completion_tokens=len(out.token_ids))
+        self.emit(tokens_message(self.worker_id, out))
 
     def _reserve(self, message: ReserveKV) -> None:
         try:
@@ -87,8 +109,10 @@ class DecodeWorker:
             self.emit(Failed(message.request_id, self.worker_id, "reserve", str(exc)))
             return
         if res is None:
+            self.log.event("reserve_rejected", message.request_id, reason="no free KV pages")
             self.emit(ReserveRejected(message.request_id, self.worker_id, "no free KV pages"))
             return
+        self.log.event("reserved", message.request_id, pages=len(res.page_ids), cached_pages=res.num_cached_pages)
         self._leases[message.request_id] = self.clock() + message.lease_s
         self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), message.lease_s)
         self.emit(Reserved(message.request_id, self.worker_id, self.kv_address, len(res.page_ids),
@@ -105,16 +129,19 @@ class DecodeWorker:
                 self.engine.abort_request(request_id)
                 self.emit(Failed(request_id, self.worker_id, "decode", str(exc)))
                 continue
+            self.log.event("joined", request_id)
             if out is not None:  # the first token already finished it
-                self.emit(tokens_message(self.worker_id, out))
+                self._emit_tokens(out)
 
     def _fail(self, request_id: str, stage: str, reason: str) -> None:
         self._drop(request_id)
+        self.log.event("failed", request_id, stage=stage, reason=reason)
         self.emit(Failed(request_id, self.worker_id, stage, reason))
 
-    def _drop(self, request_id: str) -> None:
-        """Frees whatever this request holds here (reservation, expected KV, running sequence)."""
-        self.receiver.cancel(request_id)
+    def _drop(self, request_id: str) -> bool:
+        """Frees whatever this request holds here (reservation, expected KV, running sequence);
+        False when it held nothing."""
+        held = self.receiver.cancel(request_id)
         for table in (self._received, self._leases, self._starts):
-            table.pop(request_id, None)
-        self.engine.abort_request(request_id)
+            held = table.pop(request_id, None) is not None or held
+        return self.engine.abort_request(request_id) or held

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numbers
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,7 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
+from engine.step_stats import StepStats, StepWork
 
 
 @dataclass
@@ -90,6 +93,11 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._num_arrivals = 0
         self.num_steps = 0
+        self._step_observers: list[Callable[[StepStats], None]] = []
+
+    def add_step_observer(self, observer: Callable[[StepStats], None]) -> None:
+        """`observer(stats)` runs after every step that computed something (live metrics)."""
+        self._step_observers.append(observer)
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -170,9 +178,28 @@ class LLMEngine:
 
     # -- the step loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        if not self._step_observers:
+            return self._run(sched)
+        work = StepWork.of(sched.scheduled)  # before the step advances progress
+        now = time.monotonic()
+        queue_times = []
+        for s in sched.scheduled:
+            if s.seq.first_scheduled_time is None:
+                s.seq.first_scheduled_time = now
+                queue_times.append(now - s.seq.arrival_time)
+        outputs = self._run(sched)
+        pm = self.page_manager
+        stats = StepStats(work, time.perf_counter() - start, tuple(queue_times), pm.num_referenced_pages,
+                          pm.num_free_pages)
+        for observer in self._step_observers:
+            observer(stats)
+        return outputs
+
+    def _run(self, sched) -> list[RequestOutput]:
         logits, sampled = self.runner.execute(sched.scheduled)
         self.scheduler.finish_step(sched)
         self.num_steps += 1

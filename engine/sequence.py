@@ -9,6 +9,7 @@ newly sampled token).
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     hold_kv: bool = False  # on finish, keep the pages for a KV transfer (prefill role)
+    arrival_time: float = field(default_factory=time.monotonic)  # for the queue-time metric
+    first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

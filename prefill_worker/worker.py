@@ -4,7 +4,8 @@ Driven by a loop (a socket runner, or a test) that calls `handle(message)` for e
 from the router and `step()` repeatedly. Each step runs one engine step, then ships every page
 that became complete to its decode worker (so the transfer overlaps chunked prefill), and
 ends the transfers of prompts that are done: their held pages are released exactly once,
-whatever the transfer's outcome.
+whatever the transfer's outcome. Lifecycle events (admitted, prefill_done, transfer_done) go to
+the structured log under the router's request id (configs/logging_setup.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from configs.logging_setup import EventLog
 from engine import LLMEngine, SamplingParams
 from engine.kv_transfer import KVSender, TransferState, TransportError
 from proto.worker_messages import Abort, Failed, FirstToken, Prefill, TransferEnded
@@ -40,6 +42,7 @@ class PrefillWorker:
         self.emit = emit
         self.pages_per_frame = pages_per_frame
         self._jobs: dict[str, _Job] = {}
+        self.log = EventLog("prefill", worker_id)
 
     @property
     def num_queued_tokens(self) -> int:
@@ -63,6 +66,8 @@ class PrefillWorker:
             if job is None:
                 continue
             job.prefill_done = True
+            self.log.event("prefill_done", out.request_id, prompt_tokens=out.num_prompt_tokens,
+                           cached_prompt_tokens=out.num_cached_prompt_tokens)
             self.emit(FirstToken(out.request_id, self.worker_id, out.new_token_ids[0],
                                  out.new_logprobs[0] if out.new_logprobs else None,
                                  out.num_cached_prompt_tokens))
@@ -77,8 +82,11 @@ class PrefillWorker:
         try:
             self.engine.add_request(message.request_id, list(message.prompt_token_ids), params, hold_kv=True)
         except ValueError as exc:
+            self.log.event("rejected", message.request_id, reason=str(exc))
             self.emit(Failed(message.request_id, self.worker_id, "prefill", str(exc)))
             return
+        self.log.event("admitted", message.request_id, prompt_tokens=len(message.prompt_token_ids),
+                       decode=message.kv.address, pages_to_send=message.kv.num_pages - message.kv.skip_pages)
         sender = self.open_sender(message.kv.address)
         sender.begin(message.request_id, message.kv.timeout_s)
         self._jobs[message.request_id] = _Job(message, sender)
@@ -106,10 +114,12 @@ class PrefillWorker:
     def _end(self, request_id: str, job: _Job, state: TransferState) -> None:
         del self._jobs[request_id]
         self.engine.abort_request(request_id)  # frees the held pages (or the running request)
+        self.log.event("transfer_done", request_id, state=state.value, pages_sent=job.pages_sent)
         self.emit(TransferEnded(request_id, self.worker_id, state.value))
 
     def _abort(self, request_id: str) -> None:
         job = self._jobs.pop(request_id, None)
         if job is not None:
             job.sender.abort(request_id, "aborted by the router")
-        self.engine.abort_request(request_id)
+        if self.engine.abort_request(request_id) or job is not None:
+            self.log.event("aborted", request_id)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -52,7 +52,10 @@ class JourneySettings:
 
 async def run_journey(
     j: Journey, pool: WorkerPool, policy: LeastLoadedPolicy, tokenizer: RouterTokenizer, settings: JourneySettings,
+    on_dispatch: Callable[[str], None] | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
+    """`on_dispatch(worker_id)` is called once, when the prompt is sent to the worker that
+    computes it (after any wait for decode pages): the end of the request's router queue time."""
     events = pool.subscribe(j.request_id)
     involved: set[str] = set()
     finished = False
@@ -69,6 +72,8 @@ async def run_journey(
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy colocated worker")
             involved.add(worker)
             await pool.send(worker, wm.Generate(j.request_id, j.prompt, j.sampling))
+            if on_dispatch is not None:
+                on_dispatch(worker)
         else:
             decode_worker = await _reserve(j, pool, policy, settings, events, involved)
         while True:
@@ -81,6 +86,8 @@ async def run_journey(
                 involved.add(prefill)
                 kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, settings.kv_timeout_s)
                 await pool.send(prefill, wm.Prefill(j.request_id, j.prompt, j.sampling, kv))
+                if on_dispatch is not None:
+                    on_dispatch(prefill)
                 continue
             if isinstance(msg, wm.Failed):
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{msg.stage} failed on {msg.worker_id}: {msg.reason}")

@@ -1,21 +1,32 @@
 """Request-level serving metrics as the router sees them, in Prometheus form.
 
-`Router.run` reports each request's timeline here: TTFT at its first token, ITL between
-streamed responses, TPOT = (E2E - TTFT) / (tokens - 1) and E2E at the end, its finish reason
-or error status. The registry belongs to one Router (no module-global state); the HTTP front
-door serves it at /metrics.
+`Router.run` reports each request's timeline here: queue time at dispatch, TTFT at its first
+token, ITL between streamed responses, TPOT = (E2E - TTFT) / (tokens - 1) and E2E at the end,
+its finish reason or error status, and whether it met the SLO targets (live goodput,
+router/slo.py). The registry belongs to one Router (no module-global state); the HTTP front
+door serves it at /metrics. Workers serve their own (engine/metrics.py).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from router.slo import SloTargets, SloWindow
 
 # Latency buckets from 1 ms to 60 s: CPU runs of the tiny model and GPU runs of real ones.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, slo: SloTargets | None = None, slo_window_s: float = 60.0) -> None:
+        self.slo = slo or SloTargets()
+        self.slo_window = SloWindow(slo_window_s)
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token", buckets=BUCKETS, registry=r)
@@ -33,18 +44,45 @@ class RouterMetrics:
         self.cached_prompt_tokens = Counter("pdserve_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
                                             registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
+        self.queue_time = Histogram("pdserve_router_queue_time_seconds",
+                                    "Admission to dispatch (prefill or colocated worker chosen and sent)",
+                                    buckets=BUCKETS, registry=r)
+        self.goodput = Counter("pdserve_goodput_requests", "Finished requests meeting every configured SLO target",
+                               registry=r)
+        self.slo_attainment = Gauge("pdserve_slo_attainment_ratio",
+                                    f"Share of requests finished in the last {slo_window_s:g} s meeting every "
+                                    f"SLO target (NaN: none finished)", registry=r)
+        self.slo_attainment.set_function(self.slo_window.attainment)
+        for name, target in (("ttft", self.slo.ttft_s), ("tpot", self.slo.tpot_s)):  # so dashboards can draw the line
+            if target is not None:
+                Gauge(f"pdserve_slo_{name}_target_seconds", f"Configured {name.upper()} target",
+                      registry=r).set(target)
 
     def request_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_tokens: int,
                          prompt_tokens: int, cached_prompt_tokens: int) -> None:
         self.finished.labels(finish_reason).inc()
         self.e2e.observe(e2e_s)
+        tpot_s = None
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             if num_tokens > 1:
-                self.tpot.observe((e2e_s - ttft_s) / (num_tokens - 1))
+                tpot_s = (e2e_s - ttft_s) / (num_tokens - 1)
+                self.tpot.observe(tpot_s)
+        if finish_reason != "abort":  # an aborted request is not served output
+            met = self.slo.met(ttft_s, tpot_s)
+            self.slo_window.record(met)
+            if met:
+                self.goodput.inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(num_tokens)
         self.cached_prompt_tokens.inc(cached_prompt_tokens)
+
+    def request_failed(self, status: str, admitted: bool) -> None:
+        """An error status; an admitted request that failed (not a client cancel) also counts
+        as a miss in the attainment window."""
+        self.errors.labels(status).inc()
+        if admitted and status != "CANCELLED":
+            self.slo_window.record(False)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

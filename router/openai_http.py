@@ -102,6 +102,7 @@ class OpenAIServer:
         except (BadRequest, json.JSONDecodeError, ValueError, TypeError) as exc:
             return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        grpc_request.request_id = rid  # the same id in the response and in every process's logs
         created = int(time.time())
         stream = bool(body.get("stream"))
         responses = self.router.run(grpc_request)

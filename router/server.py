@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -20,11 +21,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from configs.logging_setup import EventLog
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from router.journey import JourneySettings, RouterError, run_journey
 from router.metrics import RouterMetrics
 from router.policy import make_policy
+from router.slo import SloTargets
 from router.tokenizer import RouterTokenizer
 from router.validation import deserialize_request, validate
 from router.worker_pool import WorkerEndpoint, WorkerPool
@@ -48,6 +51,9 @@ class Router:
         kv_timeout_s: float = 30.0,
         lease_s: float = 30.0,
         default_timeout_s: float = 600.0,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
+        slo_window_s: float = 60.0,
     ) -> None:
         self.tokenizer = RouterTokenizer(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -60,7 +66,8 @@ class Router:
         self.roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
         self.default_timeout_s = default_timeout_s
         self.num_in_flight = 0
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms), slo_window_s)
+        self.log = EventLog("router")
         self.pool: WorkerPool | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -118,46 +125,67 @@ class Router:
 
     async def run(self, request: pb.GenerateRequest, time_remaining_s: float | None = None
                   ) -> AsyncIterator[pb.GenerateResponse]:
-        """One request through admission, validation and its journey (both front doors)."""
+        """One request through admission, validation and its journey (both front doors). The
+        request id (the client's, or a fresh one) names it in every log line on every process."""
+        # getattr: a request protobuf could not parse arrives as a placeholder without fields.
+        rid = getattr(request, "request_id", "") or uuid.uuid4().hex
+        self.log.event("received", rid)
         try:
             if self.num_in_flight >= self.max_queued_requests:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.num_in_flight} requests in flight: "
                                   f"over the bound of {self.max_queued_requests}")
-            journey = validate(request, self.tokenizer, self.max_model_len, self.default_timeout_s)
+            journey = replace(validate(request, self.tokenizer, self.max_model_len, self.default_timeout_s),
+                              request_id=rid)
         except RouterError as exc:
-            self.metrics.errors.labels(exc.code.name).inc()
+            self._failed(rid, exc.code, str(exc), admitted=False)
             raise
         if time_remaining_s is not None:  # the client's own deadline, if sooner
             journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + time_remaining_s))
         self.num_in_flight += 1
         self.metrics.in_flight.inc()
         start = last = time.monotonic()
+        self.log.event("admitted", rid, prompt_tokens=len(journey.prompt), max_tokens=journey.sampling.max_tokens)
+
+        def dispatched(worker_id: str) -> None:
+            self.metrics.queue_time.observe(time.monotonic() - start)
+            self.log.event("dispatched", rid, worker=worker_id)
+
         ttft = None
         num_tokens = 0
         try:
-            async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings):
+            async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings,
+                                              on_dispatch=dispatched):
                 now = time.monotonic()
                 if response.token_ids:
                     if ttft is None:
                         ttft = now - start
+                        self.log.event("first_token", rid, ttft_s=round(ttft, 6))
                     else:
                         self.metrics.itl.observe(now - last)
                     last = now
                 num_tokens += len(response.token_ids)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    self.metrics.request_finished(pb.FinishReason.Name(response.finish_reason).removeprefix(
-                        "FINISH_REASON_").lower(), ttft, now - start, num_tokens, response.usage.prompt_tokens,
-                        response.usage.cached_prompt_tokens)
+                    reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    self.metrics.request_finished(reason, ttft, now - start, num_tokens, response.usage.prompt_tokens,
+                                                  response.usage.cached_prompt_tokens)
+                    self.log.event("finished", rid, finish_reason=reason, completion_tokens=num_tokens,
+                                   cached_prompt_tokens=response.usage.cached_prompt_tokens,
+                                   e2e_s=round(now - start, 6))
                 yield response
         except RouterError as exc:
-            self.metrics.errors.labels(exc.code.name).inc()
+            self._failed(rid, exc.code, str(exc), admitted=True)
             raise
         except asyncio.CancelledError:
-            self.metrics.errors.labels(grpc.StatusCode.CANCELLED.name).inc()
+            self._failed(rid, grpc.StatusCode.CANCELLED, "cancelled by the client", admitted=True)
             raise
         finally:
             self.num_in_flight -= 1
             self.metrics.in_flight.dec()
+
+
+    def _failed(self, request_id: str, code: grpc.StatusCode, message: str, admitted: bool) -> None:
+        self.metrics.request_failed(code.name, admitted)
+        self.log.event("error", request_id, level=logging.WARNING, status=code.name, message=message)
 
 
 class _GenerationService(pdserve_pb2_grpc.GenerationServicer):

@@ -7,7 +7,8 @@ with a deadline; the prefill side sends page frames as its KV becomes ready, the
 each transfer's outcome once: DONE, FAILED (bad frame or checksum), ABORTED (sender gave up),
 EXPIRED (deadline passed). The owner then joins the request or cancels its reservation.
 Transports (inproc.py, zmq_transport.py) only move `Frame`s; this module owns the rules.
-Frames are a msgpack-able header dict plus raw bytes: nothing is pickled.
+Frames are a msgpack-able header dict plus raw bytes: nothing is pickled. Each side may be
+given an observer that hears one `TransferRecord` per transfer when it ends (live metrics).
 """
 
 from __future__ import annotations
@@ -76,24 +77,61 @@ class TransferResult:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class TransferRecord:
+    """One ended transfer as one side saw it: what live metrics count."""
+
+    side: str  # "send" or "receive"
+    request_id: str
+    state: TransferState
+    num_bytes: int  # page payload bytes handed to (sender) or written from (receiver) the transport
+    duration_s: float  # first page frame -> the end (0 when no page moved, e.g. all cached)
+
+
+TransferObserver = Callable[[TransferRecord], None]
+
+
+@dataclass
+class _Progress:
+    """Bytes and the first frame's time of one transfer, for its TransferRecord."""
+
+    num_bytes: int = 0
+    first_frame_at: float | None = None
+
+    def add(self, num_bytes: int, now: float) -> None:
+        self.num_bytes += num_bytes
+        if self.first_frame_at is None:
+            self.first_frame_at = now
+
+    def record(self, side: str, request_id: str, state: TransferState, now: float) -> TransferRecord:
+        return TransferRecord(side, request_id, state, self.num_bytes,
+                              0.0 if self.first_frame_at is None else now - self.first_frame_at)
+
+
 class KVReceiver:
     """Receiver-side rules over any transport: `expect`, feed frames with `handle`, collect
     terminal outcomes with `collect` (each transfer reported exactly once)."""
 
-    def __init__(self, kv_cache: KVCache, clock=time.monotonic) -> None:
+    def __init__(self, kv_cache: KVCache, clock=time.monotonic, observer: TransferObserver | None = None) -> None:
         self.kv_cache = kv_cache
         self.clock = clock
+        self.observer = observer
         self._expected: dict[str, _Expected] = {}
         self._outcomes: list[TransferResult] = []
+        self._progress: dict[str, _Progress] = {}
         self.num_stray_frames = 0  # frames for transfers not (or no longer) expected
 
     def expect(self, request_id: str, page_ids: list[int], timeout_s: float) -> None:
         if request_id in self._expected:
             raise ValueError(f"a transfer for {request_id!r} is already expected")
         self._expected[request_id] = _Expected(list(page_ids), self.clock() + timeout_s)
+        self._progress[request_id] = _Progress()
 
     def cancel(self, request_id: str) -> bool:
         """Stops expecting a transfer without reporting an outcome (its owner aborted it)."""
+        progress = self._progress.pop(request_id, None)
+        if progress is not None and self.observer is not None:
+            self.observer(progress.record("receive", request_id, TransferState.ABORTED, self.clock()))
         return self._expected.pop(request_id, None) is not None
 
     def handle(self, frame: Frame) -> None:
@@ -144,10 +182,14 @@ class KVReceiver:
             data = torch.frombuffer(frame.payload, dtype=torch.uint8).view(dtype).view(h["shape"])
         self.kv_cache.write_pages(entry.page_ids[first : first + num], data)
         entry.received.update(range(first, first + num))
+        self._progress[h["request_id"]].add(len(frame.payload), self.clock())
 
     def _end(self, request_id: str, state: TransferState, detail: str = "") -> None:
         del self._expected[request_id]
         self._outcomes.append(TransferResult(request_id, state, detail))
+        progress = self._progress.pop(request_id)
+        if self.observer is not None:
+            self.observer(progress.record("receive", request_id, state, self.clock()))
 
 
 class TransportError(RuntimeError):
@@ -202,10 +244,13 @@ class KVSender:
     """Sender-side rules: a transfer is sent page frames, then ends in exactly one state. The
     prefill worker releases its held KV after `finish` or `abort`, whatever the outcome."""
 
-    def __init__(self, transport: BaseFrameSender, checksum: bool = False, clock=time.monotonic) -> None:
+    def __init__(self, transport: BaseFrameSender, checksum: bool = False, clock=time.monotonic,
+                 observer: TransferObserver | None = None) -> None:
         self.transport = transport
         self.checksum = checksum
         self.clock = clock
+        self.observer = observer
+        self._progress: dict[str, _Progress] = {}
         self.staging = StagingBuffers()
         self._deadlines: dict[str, float] = {}
         self._num_pages: dict[str, int] = {}
@@ -215,12 +260,15 @@ class KVSender:
             raise ValueError(f"a transfer for {request_id!r} is already in progress")
         self._deadlines[request_id] = self.clock() + timeout_s
         self._num_pages[request_id] = 0
+        self._progress[request_id] = _Progress()
 
     def send_pages(self, request_id: str, first_page: int, data: torch.Tensor) -> None:
         """Sends pages [first_page, first_page + n) of the destination list (data: read_pages)."""
         if request_id not in self._deadlines:
             raise ValueError(f"no transfer in progress for {request_id!r}")
-        self.transport.send(pages_frame(request_id, first_page, data, self.checksum))
+        frame = pages_frame(request_id, first_page, data, self.checksum)
+        self.transport.send(frame)
+        self._progress[request_id].add(len(frame.payload), self.clock())
         self._num_pages[request_id] = max(self._num_pages[request_id], first_page + int(data.shape[2]))
 
     def send_cache_pages(self, request_id: str, first_page: int, kv_cache: KVCache, page_ids: list[int]) -> None:
@@ -230,7 +278,9 @@ class KVSender:
         k = kv_cache.k[0]
         buf = self.staging.acquire((2, len(kv_cache.k), len(page_ids), *k.shape[1:]), k.dtype, k.device)
         kv_cache.read_pages(page_ids, out=buf)
-        reusable = self.transport.send(pages_frame(request_id, first_page, buf, self.checksum))
+        frame = pages_frame(request_id, first_page, buf, self.checksum)
+        reusable = self.transport.send(frame)
+        self._progress[request_id].add(len(frame.payload), self.clock())
         self.staging.release(buf, reusable)
         self._num_pages[request_id] = max(self._num_pages[request_id], first_page + len(page_ids))
 
@@ -242,17 +292,23 @@ class KVSender:
         try:
             if not self.transport.flush(max(0.0, deadline - self.clock())):
                 self._try_send(abort_frame(request_id, "sender deadline passed"))
-                return TransferState.EXPIRED
+                return self._ended(request_id, TransferState.EXPIRED)
             self.transport.send(done_frame(request_id, num_pages))
-            return TransferState.DONE
+            return self._ended(request_id, TransferState.DONE)
         except TransportError:
-            return TransferState.FAILED
+            return self._ended(request_id, TransferState.FAILED)
 
     def abort(self, request_id: str, reason: str) -> TransferState:
         self._deadlines.pop(request_id, None)
         self._num_pages.pop(request_id, None)
         self._try_send(abort_frame(request_id, reason))
-        return TransferState.ABORTED
+        return self._ended(request_id, TransferState.ABORTED)
+
+    def _ended(self, request_id: str, state: TransferState) -> TransferState:
+        progress = self._progress.pop(request_id, None)
+        if progress is not None and self.observer is not None:
+            self.observer(progress.record("send", request_id, state, self.clock()))
+        return state
 
     def _try_send(self, frame: Frame) -> None:
         try:
