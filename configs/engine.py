@@ -30,6 +30,15 @@ class EngineSettings(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length")
     cache_dir: str | None = Field(None, description="where built-in models are written; default ~/.cache/pdserve")
+    # One worker spans tensor_parallel_size x pipeline_parallel_size processes (engine/parallel.py);
+    # the model must split evenly (heads, kv heads, MLP width by TP; at least one layer per stage).
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="shards per layer (attention heads, MLP)")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="stages, each a contiguous run of layers")
+
+    @property
+    def world_size(self) -> int:
+        """Processes one engine spans."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @model_validator(mode="after")
     def _check_budgets(self) -> "EngineSettings":

@@ -15,14 +15,17 @@ from engine.model_config import ModelConfig
 class KVCache:
     def __init__(
         self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
-        num_kv_heads: int | None = None,
+        num_kv_heads: int | None = None, layers: range | None = None,
     ) -> None:
+        """A tensor-parallel shard holds `num_kv_heads` of the heads, a pipeline stage only its
+        `layers` (global ids); the default is the whole model."""
         self.num_pages = num_pages
         self.page_size = page_size
+        self.layers = layers if layers is not None else range(cfg.num_layers)
         kv_heads = num_kv_heads or cfg.num_kv_heads
         shape = (num_pages, page_size, kv_heads, cfg.head_dim)  # per layer
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
 
     @staticmethod
     def pages_for_budget(cfg: ModelConfig, memory_bytes: int, page_size: int, dtype: torch.dtype) -> int:
@@ -37,14 +40,27 @@ class KVCache:
         return int(num_pages)
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[layer_id], self.v[layer_id]
+        i = layer_id - self.layers.start
+        return self.k[i], self.v[i]
+
+    def pages_shape(self, num_pages: int) -> tuple[int, ...]:
+        """Shape of `read_pages` output for num_pages pages: [2, num_layers, n, page_size, kvh, d]."""
+        return (2, len(self.k), num_pages, *self.k[0].shape[1:])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
 
     def read_pages(self, page_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A copy of these pages across all layers: [2 (k, v), num_layers, n, page_size, kvh, d],
         written into `out` when given (a reused buffer: no fresh memory to fault in)."""
         index = torch.tensor(page_ids, dtype=torch.int64, device=self.k[0].device)
         if out is None:
-            out = self.k[0].new_empty((2, len(self.k), len(page_ids), *self.k[0].shape[1:]))
+            out = self.k[0].new_empty(self.pages_shape(len(page_ids)))
         for side, tensors in enumerate((self.k, self.v)):
             for layer, t in enumerate(tensors):
                 torch.index_select(t, 0, index, out=out[side, layer])  # one copy, straight into place
@@ -52,7 +68,7 @@ class KVCache:
 
     def write_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
         """Writes `read_pages` output (from another cache of the same geometry) into these pages."""
-        expected = (2, len(self.k), len(page_ids), *self.k[0].shape[1:])
+        expected = self.pages_shape(len(page_ids))
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data has shape {tuple(data.shape)}, expected {expected}")
         index = torch.tensor(page_ids, dtype=torch.int64, device=self.k[0].device)

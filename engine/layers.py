@@ -18,10 +18,12 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """This shard's place in its tensor-parallel group (rank 0 of 1 until TP arrives)."""
+    """This shard's place in its tensor-parallel group; `group` (an engine.parallel.ShardGroup)
+    does the all-reduce. The default is a single, unsharded rank."""
 
     tp_rank: int = 0
     tp_size: int = 1
+    group: object | None = None
 
     def shard(self, full: torch.Tensor, dim: int) -> torch.Tensor:
         if self.tp_size == 1:
@@ -32,7 +34,7 @@ class ParallelContext:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
-            torch.distributed.all_reduce(x)
+            self.group.tp_all_reduce(x)
         return x
 
 

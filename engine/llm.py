@@ -19,6 +19,7 @@ from tqdm import tqdm
 from configs.engine import EngineConfig
 from engine.engine import LLMEngine, RequestOutput, token_id_list
 from engine.sampling_params import SamplingParams
+from engine.shard_follower import start_local_group
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,31 @@ class CompletionOutput:
 
 class LLM:
     def __init__(self, model: str = "builtin:tiny", **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        """With tensor_parallel_size / pipeline_parallel_size > 1 the other ranks run as local
+        subprocesses; call `close()` (or use `with LLM(...) as llm`) to end them."""
+        config = EngineConfig(model=model, **engine_kwargs)
+        self._local_group = start_local_group(config) if config.world_size > 1 else None
+        try:
+            self.engine = LLMEngine(config, self._local_group.group if self._local_group else None)
+        except BaseException:
+            self._stop_group()
+            raise
         self._next_id = 0
+
+    def close(self) -> None:
+        self.engine.close()
+        self._stop_group()
+
+    def _stop_group(self) -> None:
+        if self._local_group is not None:
+            self._local_group.stop()
+            self._local_group = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from engine.attention import AttentionBackend
 from engine.builtin_models import ensure_builtin, parse_builtin
+from engine.layers import ParallelContext
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
@@ -49,10 +50,12 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBackend) -> LlamaForCausalLM:
+def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBackend,
+               ctx: ParallelContext | None = None, layers: range | None = None) -> LlamaForCausalLM:
+    """The model, or the shard `ctx` / `layers` select (engine/model_shard.py)."""
     cfg = ModelConfig.from_dir(path)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, backend).to(dtype)
+        model = LlamaForCausalLM(cfg, backend, ctx, layers).to(dtype)
 
     def tensors():
         for file in safetensors_files(path):

@@ -1,7 +1,8 @@
 """Turns a scheduler decision into a ForwardBatch, runs the model, returns the logits to sample.
 
-Sits between the engine's step loop (engine/engine.py) and the model: it owns the model and
-the KV cache tensors of this process, and nothing about request lifecycles.
+Sits between the engine's step loop (engine/engine.py) and the model: an executor
+(engine/shard_executor.py) runs the batch on this process or across a TP x PP group; the
+runner knows nothing about request lifecycles.
 """
 
 from __future__ import annotations
@@ -9,16 +10,17 @@ from __future__ import annotations
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.kv_cache import KVCache
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq
+from engine.shard_executor import GroupDriver, LocalExecutor
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device | str) -> None:
+    def __init__(self, model: LlamaForCausalLM, executor: LocalExecutor | GroupDriver, page_size: int,
+                 device: torch.device | str) -> None:
         self.model = model
-        self.kv_cache = kv_cache
-        self.page_size = kv_cache.page_size
+        self.executor = executor
+        self.page_size = page_size
         self.device = torch.device(device)
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
@@ -63,7 +65,7 @@ class ModelRunner:
         """Runs one step; returns logits [num_sampled, vocab] (float32, on CPU) and the
         sequences they belong to, in row order."""
         batch, sampled = self.build_batch(scheduled)
-        hidden = self.model(batch, self.kv_cache)
+        hidden = self.executor.run(batch)
         if not sampled:
             return torch.empty(0, self.model.cfg.vocab_size), sampled
         return self.model.compute_logits(hidden).cpu(), sampled

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.sampling_params import SamplingParams
+
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """Hugging Face greedy generate (EOS ignored): generated ids and each one's log-probability."""
@@ -25,3 +27,20 @@ def assert_no_page_leak(engine) -> None:
     held = [page for page, refs in enumerate(engine.page_manager.ref_counts) if refs]
     assert not held, f"pages still referenced after all requests finished: {held[:10]} ({stats})"
     assert stats["free"] == stats["num_pages"], stats
+
+
+def prefill_and_ship(prefill, decode, request_id: str, prompt: list[int]) -> int:
+    """Runs the prefill role and the page copy for one request; returns the first token."""
+    res = decode.handoff.reserve(request_id, prompt)
+    assert res is not None
+    prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
+    first = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            first = out.new_token_ids[0]
+    held = prefill.handoff.held(request_id)
+    assert held.num_tokens == len(prompt)
+    skip = res.num_cached_pages  # the decode side already has these pages: send only the rest
+    decode.kv_cache.write_pages(list(res.page_ids[skip:]), prefill.kv_cache.read_pages(list(held.page_ids[skip:])))
+    prefill.handoff.release(request_id)
+    return first

@@ -275,8 +275,7 @@ class KVSender:
         """send_pages for pages read straight from a cache, through a recycled staging buffer."""
         if request_id not in self._deadlines:
             raise ValueError(f"no transfer in progress for {request_id!r}")
-        k = kv_cache.k[0]
-        buf = self.staging.acquire((2, len(kv_cache.k), len(page_ids), *k.shape[1:]), k.dtype, k.device)
+        buf = self.staging.acquire(kv_cache.pages_shape(len(page_ids)), kv_cache.dtype, kv_cache.device)
         kv_cache.read_pages(page_ids, out=buf)
         frame = pages_frame(request_id, first_page, buf, self.checksum)
         reusable = self.transport.send(frame)

@@ -18,7 +18,13 @@ from torch import nn
 from engine.attention import AttentionBackend, paged_attention
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
-from engine.layers import ColumnParallelLinear, ParallelContext, RMSNorm, RowParallelLinear, copy_checked
+from engine.layers import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RMSNorm,
+    RowParallelLinear,
+    copy_checked,
+)
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
 
@@ -29,7 +35,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_heads // ctx.tp_size
-        self.num_kv_heads = max(1, cfg.num_kv_heads // ctx.tp_size)
+        self.num_kv_heads = cfg.num_kv_heads // ctx.tp_size  # ShardLayout.check_model: it divides
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.qkv_bias, ctx)
@@ -73,14 +79,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ctx: ParallelContext | None = None) -> None:
+    """The whole model, or one pipeline stage of it (`layers`: the global ids this stage runs)
+    with attention heads and MLP sharded by `ctx`. Embedding, final norm and vocabulary
+    projection are kept whole on every shard: the first stage embeds, the driver samples."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ctx: ParallelContext | None = None,
+                 layers: range | None = None) -> None:
         super().__init__()
         ctx = ctx or ParallelContext()
         self.cfg = cfg
         self.backend = backend
+        self.layer_ids = layers if layers is not None else range(cfg.num_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, i) for i in self.layer_ids)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Tied checkpoints reuse the embedding as the output projection.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -94,7 +106,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Runs one step; returns the final hidden states of the rows in `batch.logits_indices`."""
-        hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        return self.final_norm(self.forward_stage(batch, kv_cache), batch)
+
+    @torch.inference_mode()
+    def forward_stage(self, batch: ForwardBatch, kv_cache: KVCache, hidden: torch.Tensor | None = None
+                      ) -> torch.Tensor:  # [num_tokens, hidden]
+        """This stage's layers over the step: from the token embeddings (first stage) or from
+        the previous stage's `hidden`."""
+        if hidden is None:
+            hidden = self.embed_tokens(batch.input_ids)
         cos_sin = self.rope.lookup(batch.positions, hidden.dtype)
         for layer in self.layers:
             residual = hidden
@@ -102,6 +122,10 @@ class LlamaForCausalLM(nn.Module):
             hidden = residual + hidden
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # Only the rows that will be sampled need the final norm and the vocabulary projection:
         # for a 1,000-token prefill chunk that is one row, not a thousand.
         return self.norm(hidden[batch.logits_indices])
@@ -121,6 +145,14 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue  # recomputed / tied: some checkpoints still store them
             parts = name.split(".")  # layers.<i>.<block>.<proj>.<weight|bias>
+            if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
+                layer_id = int(parts[1])
+                if layer_id >= self.cfg.num_layers:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {self.cfg.num_layers} layers")
+                if layer_id not in self.layer_ids:
+                    continue  # another pipeline stage's layer
+                parts[1] = str(self.layer_ids.index(layer_id))  # this stage's local numbering
+                name = ".".join(parts)
             if len(parts) == 5 and parts[0] == "layers" and parts[4] in ("weight", "bias"):
                 layer, proj, kind = self.layers[int(parts[1])], parts[3], parts[4]
                 if proj in _FUSED:

@@ -8,7 +8,7 @@ import pytest
 
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
-from tests.helpers import assert_no_page_leak, hf_greedy
+from tests.helpers import assert_no_page_leak, hf_greedy, prefill_and_ship
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -17,23 +17,6 @@ def engines(**decode_kwargs) -> tuple[LLMEngine, LLMEngine]:
     prefill = LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=64, max_num_seqs=8))
     decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, **decode_kwargs))
     return prefill, decode
-
-
-def prefill_and_ship(prefill: LLMEngine, decode: LLMEngine, request_id: str, prompt: list[int]) -> int:
-    """Runs the prefill role and the page copy for one request; returns the first token."""
-    res = decode.handoff.reserve(request_id, prompt)
-    assert res is not None
-    prefill.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True), hold_kv=True)
-    first = None
-    while prefill.has_unfinished_requests():
-        for out in prefill.step():
-            first = out.new_token_ids[0]
-    held = prefill.handoff.held(request_id)
-    assert held.num_tokens == len(prompt)
-    skip = res.num_cached_pages  # the decode side already has these pages: send only the rest
-    decode.kv_cache.write_pages(list(res.page_ids[skip:]), prefill.kv_cache.read_pages(list(held.page_ids[skip:])))
-    prefill.handoff.release(request_id)
-    return first
 
 
 def test_prefill_on_one_engine_decode_on_another_matches_hf(hf_tiny):

@@ -1,0 +1,58 @@
+"""Builds one rank's share of a model: its weights (heads and layers) and its KV cache.
+
+Called by the engine (rank 0 of a worker, or the only rank) and by each follower rank of a
+tensor/pipeline-parallel worker (engine/shard_follower.py). Every rank computes the same page
+count from the same config, so page ids chosen by the driver mean the same slots everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from configs.engine import EngineConfig
+from engine.attention import AttentionBackend
+from engine.kv_cache import KVCache
+from engine.layers import ParallelContext
+from engine.loader import DTYPES, load_model
+from engine.model_config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel import ShardGroup, ShardLayout
+
+
+@dataclass
+class ModelShard:
+    model: LlamaForCausalLM
+    kv_cache: KVCache  # this rank's heads and layers
+    num_pages: int
+
+
+def attention_backend(config: EngineConfig) -> AttentionBackend:
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if config.device.startswith("cuda") else "torch"
+    return AttentionBackend(name)
+
+
+def num_pages_for(config: EngineConfig, cfg: ModelConfig, layout: ShardLayout) -> int:
+    if config.num_pages is not None:
+        return config.num_pages
+    page_bytes = layout.page_bytes(cfg, config.page_size, DTYPES[config.dtype])
+    num_pages = config.kv_cache_memory_bytes // page_bytes
+    if num_pages < 1:
+        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no page: one page of "
+                         f"{config.page_size} tokens needs {page_bytes} bytes")
+    return int(num_pages)
+
+
+def load_shard(config: EngineConfig, model_path: Path, layout: ShardLayout, group: ShardGroup | None) -> ModelShard:
+    cfg = ModelConfig.from_dir(model_path)
+    layout.check_model(cfg)
+    layers = layout.stage_layers(cfg.num_layers)
+    ctx = ParallelContext(layout.tp_rank, layout.tp_size, group)
+    dtype = DTYPES[config.dtype]
+    model = load_model(model_path, dtype, config.device, attention_backend(config), ctx, layers)
+    num_pages = num_pages_for(config, cfg, layout)
+    kv_cache = KVCache(cfg, num_pages, config.page_size, dtype, config.device,
+                       num_kv_heads=cfg.num_kv_heads // layout.tp_size, layers=layers)
+    return ModelShard(model, kv_cache, num_pages)
