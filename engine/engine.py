@@ -22,17 +22,20 @@ from dataclasses import dataclass, field
 import torch
 
 from configs.engine import EngineConfig
-from engine.attention import AttentionBackend
 from engine.kv_cache import KVCache
 from engine.kv_handoff import KVHandoff
-from engine.loader import DTYPES, load_model, load_tokenizer, resolve_model_path
+from engine.loader import load_tokenizer, resolve_model_path
 from engine.model_runner import ModelRunner
+from engine.model_shard import load_shard
 from engine.page_manager import PageManager
+from engine.parallel import ShardGroup, ShardLayout
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
 from engine.step_stats import StepStats, StepWork
+from engine.shard_executor import GroupDriver, LocalExecutor
+from engine.sharded_kv_cache import ShardedKVCache
 
 
 @dataclass
@@ -65,30 +68,37 @@ def token_id_list(tokens: object) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: ShardGroup | None = None) -> None:
+        """`group`: this process is rank 0 (the driver) of a tensor/pipeline-parallel worker
+        whose other ranks run engine.shard_follower; None = the whole model here."""
         self.config = config
         self.model_path = resolve_model_path(config.model, config.cache_dir)
-        dtype = DTYPES[config.dtype]
         backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if config.device.startswith("cuda") else "torch"
         if backend_name == "triton" and not config.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
             # The interpreter can run the kernels on CPU, but only tests should choose that.
             raise ValueError("attention_backend 'triton' needs device 'cuda' (or TRITON_INTERPRET=1 for tests)")
-        self.model = load_model(self.model_path, dtype, config.device, AttentionBackend(backend_name))
+        if config.world_size > 1 and group is None:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {config.world_size} needs a shard group: "
+                "start the worker with `pdserve up` or engine.shard_follower.start_local_group")
+        layout = group.layout if group is not None else ShardLayout(1, 1, 0)
+        shard = load_shard(config, self.model_path, layout, group)
+        self.model, num_pages = shard.model, shard.num_pages
         self.model_config = self.model.cfg
         self.tokenizer = load_tokenizer(self.model_path)
         model_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context of {model_len} tokens")
         self.max_model_len = config.max_model_len or model_len
-        num_pages = config.num_pages or KVCache.pages_for_budget(
-            self.model_config, config.kv_cache_memory_bytes, config.page_size, dtype
-        )
-        self.kv_cache = KVCache(self.model_config, num_pages, config.page_size, dtype, config.device)
+        if group is None:
+            self.executor: LocalExecutor | GroupDriver = LocalExecutor(self.model, shard.kv_cache)
+            self.kv_cache: KVCache | ShardedKVCache = shard.kv_cache
+        else:
+            self.executor = GroupDriver(group, self.model, shard.kv_cache)
+            self.kv_cache = ShardedKVCache(self.model_config, self.executor)
         self.page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.page_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, config.device)
+        self.runner = ModelRunner(self.model, self.executor, config.page_size, config.device)
         self.handoff = KVHandoff(self.page_manager)  # KV crossing engines (disaggregation)
         self._seqs: dict[str, Sequence] = {}
         self._num_arrivals = 0
@@ -271,6 +281,10 @@ class LLMEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def close(self) -> None:
+        """Releases the follower ranks of a TP x PP worker (no-op for a single process)."""
+        self.executor.close()
 
     @torch.inference_mode()
     def weight_bytes(self) -> int:
