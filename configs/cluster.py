@@ -36,8 +36,14 @@ class RouterConfig(_Strict):
 
 class PoolConfig(_Strict):
     num_workers: int = Field(1, ge=1)
-    num_cpus_per_worker: float = Field(1.0, gt=0)
-    num_gpus_per_worker: float = Field(0.0, ge=0)
+    # Per process: a worker with engine.tensor_parallel_size x pipeline_parallel_size shards
+    # asks this much for each shard (one placement-group bundle per shard).
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker process (per shard)")
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker process (per shard)")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Ray placement of a sharded worker's bundles")
+    shard_base_port: int | None = Field(
+        None, ge=1, le=65535, description="sharded worker i's process-group store listens on shard_base_port + i")
     base_port: int = Field(ge=1, le=65535, description="worker i takes router commands on base_port + i")
     kv_base_port: int | None = Field(
         None, ge=1, le=65535, description="decode worker i receives KV on kv_base_port + i (decode pools only)"
@@ -48,6 +54,18 @@ class PoolConfig(_Strict):
     peak_memory_bandwidth_gbps: float | None = Field(None, gt=0, description="GB/s (1e9 bytes) per worker")
     peak_tflops: float | None = Field(None, gt=0, description="dense TFLOP/s per worker, in the engine's dtype")
     engine: EngineSettings = EngineSettings()
+
+    @model_validator(mode="after")
+    def _check_sharding(self) -> "PoolConfig":
+        e = self.engine
+        if e.world_size > 1 and self.shard_base_port is None:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {e.world_size} needs shard_base_port: "
+                             "each sharded worker's ranks meet on a process-group store there")
+        if e.tensor_parallel_size > 1 and self.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+            raise ValueError(f"placement_strategy {self.placement_strategy} with tensor_parallel_size > 1: "
+                             "tensor-parallel shards all-reduce in every layer, keep them on one node "
+                             "(STRICT_PACK or PACK)")
+        return self
 
 
 class KVTransferConfig(_Strict):
@@ -125,7 +143,10 @@ class ClusterConfig(_Strict):
                 bases.append(("kv_base_port", pool.kv_base_port))
             if pool.metrics_base_port is not None:
                 bases.append(("metrics_base_port", pool.metrics_base_port))
-            suffix = {"base_port": "", "kv_base_port": " KV", "metrics_base_port": " metrics"}
+            if pool.engine.world_size > 1:
+                bases.append(("shard_base_port", pool.shard_base_port))
+            suffix = {"base_port": "", "kv_base_port": " KV", "metrics_base_port": " metrics",
+                      "shard_base_port": " shard group"}
             for field_name, base in bases:
                 for i in range(pool.num_workers):
                     port = base + i

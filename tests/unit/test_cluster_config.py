@@ -56,6 +56,12 @@ def edit(path: str, value):
 DELETE = object()
 
 
+def sharded(role: str, **pool) -> dict:
+    cfg = edit(f"{role}.engine.tensor_parallel_size", 2)
+    cfg[role].update({"shard_base_port": 53000, **pool})
+    return cfg
+
+
 @pytest.mark.parametrize(
     ("cfg", "message"),
     [
@@ -72,6 +78,9 @@ DELETE = object()
         (edit("decode.base_port", 52100), "port 52100 of decode worker 0 is also prefill worker 0"),
         (edit("router.grpc_port", 52200), "port 52200 of decode worker 0 is also router.grpc_port"),
         (edit("decode.engine.max_num_seqs", 4096), r"max_num_batched_tokens \(2048\) must be >= max_num_seqs"),
+        (edit("prefill.engine.tensor_parallel_size", 2), r"prefill: tensor_parallel_size x pipeline_parallel_size = 2 needs shard_base_port"),
+        (sharded("prefill", placement_strategy="SPREAD"), "tensor-parallel shards all-reduce in every layer"),
+        (sharded("decode", shard_base_port=52200), "port 52200 of decode worker 0 shard group is also decode worker 0"),
     ],
 )
 def test_mistakes_are_rejected_naming_the_key(tmp_path, cfg, message):
