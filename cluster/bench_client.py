@@ -97,9 +97,14 @@ class OpenAIBackend(BaseBackend):
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
         if self.model is None:  # the server's first model, as peer benchmark tools do
-            async with self._session.get(f"{self.base_url}/v1/models") as resp:
-                resp.raise_for_status()
-                self.model = (await resp.json())["data"][0]["id"]
+            try:
+                async with self._session.get(f"{self.base_url}/v1/models") as resp:
+                    resp.raise_for_status()
+                    self.model = (await resp.json())["data"][0]["id"]
+            except (aiohttp.ClientError, TimeoutError, KeyError, IndexError) as exc:
+                await self._session.close()
+                raise RuntimeError(f"no model list at {self.base_url}/v1/models ({exc!r}); is the server "
+                                   f"up? (--model NAME skips this lookup)") from None
         return self
 
     async def __aexit__(self, *exc) -> None:

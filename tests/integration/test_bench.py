@@ -76,7 +76,7 @@ def test_cli_bench_over_openai_http_writes_json_csv_and_pngs(served, tmp_path, c
         "attainment_vs_rate.png", "attainment_vs_slo_scale.png", "latency_cdf.png"]
 
 
-def test_throughput_burst_with_a_concurrency_cap_and_a_failing_target(served, tmp_path):
+def test_throughput_burst_and_unreachable_targets(served, tmp_path):
     cluster, _ = served
     spec = WorkloadSpec("throughput", 5, LengthDist(10), LengthDist(4), seed=5)
     result = run_bench("grpc", f"127.0.0.1:{cluster.port}", BenchPlan(spec, max_concurrency=2, warmup_requests=0),
@@ -90,3 +90,14 @@ def test_throughput_burst_with_a_concurrency_cap_and_a_failing_target(served, tm
                      progress=False, say=lambda _: None)
     assert all(not r.ok and r.error == "UNAVAILABLE" for r in down.runs[0].records)
     assert down.runs[0].summary().num_failed == 5
+    with pytest.raises(RuntimeError, match="no model list"):
+        run_bench("openai", f"http://127.0.0.1:{free_port()}", BenchPlan(spec), "down", progress=False)
+
+
+def test_openai_backend_records_http_errors(served):
+    _, http_port = served
+    # Token ids beyond the tiny model's 4096-token vocabulary: the server answers 400 per request.
+    spec = WorkloadSpec("fixed", 3, LengthDist(8), LengthDist(4), vocab_size=100_000)
+    result = run_bench("openai", f"127.0.0.1:{http_port}", BenchPlan(spec, warmup_requests=0), "bad",
+                       progress=False, say=lambda _: None)
+    assert [(r.ok, r.error, r.num_tokens) for r in result.runs[0].records] == [(False, "HTTP 400", 0)] * 3

@@ -122,3 +122,17 @@ def test_plan_checks_the_workload_against_its_arrivals():
     with pytest.raises(ValueError, match="two finite rates"):
         BenchPlan(spec("sweep"), rates=(2.0,))
     BenchPlan(spec("sweep"), rates=(1.0, 2.0), burstiness=0.5)
+
+
+def test_cli_builds_the_plan_and_names_bad_combinations(capsys):
+    from cluster.cli import _bench_plan, build_parser, main
+
+    args = build_parser().parse_args(["bench", "--address", "x:1", "--workload", "sweep", "--rates", "1,2.5",
+                                      "--input-dist", "exponential", "--burstiness", "0.5", "--slo-tpot", "0.1"])
+    plan = _bench_plan(args)
+    assert plan.rates == (1.0, 2.5) and plan.burstiness == 0.5 and plan.slo.tpot_s == 0.1
+    assert plan.workload.input_len == LengthDist(128, "exponential")
+    assert main(["bench", "--address", "x:1", "--workload", "sweep", "--rate", "2"]) == 2
+    assert "at least two finite rates" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--rates", "1,-2"])
