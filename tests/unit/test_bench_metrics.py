@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from cluster.bench_metrics import SLO, RequestRecord, max_rate_at_attainment, percentile, summarize, summarize_run
+from cluster.bench_metrics import (
+    SLO,
+    RequestRecord,
+    max_rate_at_attainment,
+    percentile,
+    summarize,
+    summarize_run,
+)
 
 
 def test_percentiles_interpolate_like_numpy():
@@ -46,3 +53,12 @@ def test_max_rate_at_attainment_interpolates():
     assert max_rate_at_attainment([1, 2], [0.99, 0.97]) == 2  # never drops below: the highest swept
     assert math.isnan(max_rate_at_attainment([1, 2], [0.5, 0.4]))
     assert max_rate_at_attainment([4, 1, 2], [0.5, 1.0, 0.9]) == pytest.approx(2.0)
+
+
+def test_slo_scaling_and_no_slo():
+    r = RequestRecord(0.0, (0.4, 0.5, 0.6), 3, 4)  # ttft 0.4, tpot 0.1
+    slo = SLO(ttft_s=0.3, tpot_s=0.08)
+    assert not slo.met_by(r) and slo.scaled(1.5).met_by(r) and slo.scaled(1.5) == SLO(0.45, pytest.approx(0.12))
+    assert SLO(ttft_s=1.0).scaled(2) == SLO(ttft_s=2.0)  # an unset target stays unset
+    s = summarize_run([r], 1.0, SLO())  # no targets: attainment is undefined, not 100%
+    assert math.isnan(s.attainment) and math.isnan(s.goodput)
