@@ -12,16 +12,24 @@ import threading
 
 import ray
 
-from configs import EngineConfig
+from configs import EngineConfig, LoggingConfig, setup_logging
 
 
 @ray.remote
 class WorkerActor:
     def __init__(self, role: str, worker_id: str, engine_config: dict, host: str, command_port: int,
-                 event_address: str, kv: dict) -> None:
+                 event_address: str, kv: dict, metrics: dict | None = None, logging_config: dict | None = None) -> None:
+        """`metrics`: {"port", "peak_memory_bandwidth_gbps", "peak_tflops"} or None (no /metrics)."""
         from cluster.worker_host import WorkerHost
+        from engine.peak import resolve_peak
 
-        self.host = WorkerHost(role, worker_id, EngineConfig(**engine_config), host, command_port, event_address, **kv)
+        setup_logging(LoggingConfig(**(logging_config or {})), component=role, worker_id=worker_id)
+        engine = EngineConfig(**engine_config)
+        served = {}
+        if metrics is not None:
+            served = {"metrics_port": metrics["port"], "peak": resolve_peak(
+                metrics["peak_memory_bandwidth_gbps"], metrics["peak_tflops"], engine.device, engine.dtype)}
+        self.host = WorkerHost(role, worker_id, engine, host, command_port, event_address, **kv, **served)
         self.host.start()
 
     def ready(self) -> str:
@@ -37,11 +45,12 @@ class WorkerActor:
 @ray.remote
 class RouterActor:
     def __init__(self, model: str, cache_dir: str | None, router_kwargs: dict, host: str, port: int,
-                 http_port: int | None = None) -> None:
+                 http_port: int | None = None, logging_config: dict | None = None) -> None:
         from engine.loader import resolve_model_path
         from router.server import Router
         from router.worker_pool import WorkerEndpoint
 
+        setup_logging(LoggingConfig(**(logging_config or {})), component="router")
         model_dir = resolve_model_path(model, cache_dir)
         router_kwargs = dict(router_kwargs)
         router_kwargs["endpoints"] = [WorkerEndpoint(**e) for e in router_kwargs["endpoints"]]

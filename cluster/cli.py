@@ -87,6 +87,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
                          f"run 'pdserve down {args.config}' first")
     cluster = launcher.up(config, timeout_s=args.timeout, say=lambda line: print(line, flush=True))
     state = launcher.write_state(args.config, cluster)
+    targets = launcher.write_metrics_targets(args.config, config)
+    print(f"pdserve: Prometheus targets (file_sd) in {targets}", flush=True)
     # SIGTERM (what `pdserve down` sends) ends the cluster like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"pdserve: cluster up, gRPC at {cluster.grpc_address}; Ctrl-C or 'pdserve down {args.config}' stops it",
@@ -99,6 +101,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         cluster.shutdown()
         state.unlink(missing_ok=True)
+        targets.unlink(missing_ok=True)
     print("pdserve: stopped", flush=True)
     return 0
 

@@ -3,7 +3,8 @@
 Starts an embedded local Ray (or joins `ray.address`), creates one actor per worker and the
 router, waits for each with a timeout and a progress display, and names what failed and why.
 The cluster lives as long as the `up` process: Ctrl-C (or `pdserve down`, which signals it)
-stops every actor and the embedded Ray, leaving no process behind.
+stops every actor and the embedded Ray, leaving no process behind. While it runs, the run dir
+holds its state and a Prometheus file_sd list of its /metrics targets (router and workers).
 """
 
 from __future__ import annotations
@@ -94,9 +95,14 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
                 if config.kv_transfer.transport == "torch_dist" and role != "colocated":
                     kv.update(dist_rank=ranks[worker_id], dist_world_size=len(ranks),
                               dist_store_address=f"{host}:{config.kv_transfer.dist_port}")
+                metrics = None
+                if pool.metrics_base_port is not None:
+                    metrics = {"port": pool.metrics_base_port + i, "peak_tflops": pool.peak_tflops,
+                               "peak_memory_bandwidth_gbps": pool.peak_memory_bandwidth_gbps}
                 workers[worker_id] = WorkerActor.options(
                     name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
-                ).remote(role, worker_id, engine, host, pool.base_port + i, event_address, kv)
+                ).remote(role, worker_id, engine, host, pool.base_port + i, event_address, kv, metrics,
+                         config.logging.model_dump())
                 endpoints.append({"worker_id": worker_id, "role": role, "command_address": f"{host}:{pool.base_port + i}"})
         _wait(workers, "ready", timeout_s, say)
         router_kwargs = {
@@ -104,9 +110,12 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             "mode": config.mode, "policy": config.router.policy,
             "max_queued_requests": config.router.max_queued_requests,
             "kv_timeout_s": config.kv_transfer.timeout_s, "lease_s": config.kv_transfer.reservation_lease_s,
+            "slo_ttft_ms": config.router.slo_ttft_ms, "slo_tpot_ms": config.router.slo_tpot_ms,
+            "slo_window_s": config.router.slo_window_s,
         }
         router = RouterActor.options(name="pdserve-router", num_cpus=0).remote(
-            config.model, None, router_kwargs, config.router.host, config.router.grpc_port, config.router.http_port)
+            config.model, None, router_kwargs, config.router.host, config.router.grpc_port, config.router.http_port,
+            config.logging.model_dump())
         deadline = time.monotonic() + timeout_s
         say("router: waiting for every worker's heartbeat ...")
         while not ray.get(router.ready.remote(), timeout=max(1.0, deadline - time.monotonic())):
@@ -149,6 +158,32 @@ def write_state(config_path: str | Path, cluster: RunningCluster) -> Path:
     path = state_file(config_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"pid": os.getpid(), "grpc_address": cluster.grpc_address}))
+    return path
+
+
+def metrics_targets(config: ClusterConfig) -> list[dict]:
+    """Prometheus file_sd entries: the router's HTTP port (its /metrics) and every worker's
+    metrics port, each labelled with what it is."""
+    host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
+    targets = []
+    if config.router.http_port is not None:
+        targets.append({"targets": [f"{host}:{config.router.http_port}"],
+                        "labels": {"job": "pdserve-router", "component": "router"}})
+    for role in ("prefill", "decode", "colocated"):
+        pool = getattr(config, role)
+        if pool is None or pool.metrics_base_port is None:
+            continue
+        for i in range(pool.num_workers):
+            targets.append({"targets": [f"{host}:{pool.metrics_base_port + i}"],
+                            "labels": {"job": "pdserve-worker", "component": role}})
+    return targets
+
+
+def write_metrics_targets(config_path: str | Path, config: ClusterConfig) -> Path:
+    """Writes `metrics_targets` where a Prometheus `file_sd_configs` entry can watch it."""
+    path = state_file(config_path).with_suffix(".prometheus.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(metrics_targets(config), indent=1))
     return path
 
 

@@ -54,3 +54,14 @@ def measure_peak(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     matmul_s = _best_time_s(lambda: a @ b, repeats, device)
     return Peak(memory_bytes_per_s=2 * copy_bytes / copy_s, flops_per_s=2 * matmul_size**3 / matmul_s,
                 source="measured")
+
+
+def resolve_peak(memory_bandwidth_gbps: float | None, tflops: float | None, device: str, dtype_name: str) -> Peak:
+    """The configured peaks; whichever is not configured is measured (`source` says which)."""
+    if memory_bandwidth_gbps is not None and tflops is not None:
+        return Peak.configured(memory_bandwidth_gbps, tflops)
+    measured = measure_peak(device, getattr(torch, dtype_name))
+    if memory_bandwidth_gbps is None and tflops is None:
+        return measured
+    return Peak(memory_bandwidth_gbps * 1e9 if memory_bandwidth_gbps is not None else measured.memory_bytes_per_s,
+                tflops * 1e12 if tflops is not None else measured.flops_per_s, "configured+measured")

@@ -1,14 +1,17 @@
 """The user's path: `pdserve up CONFIG` (embedded Ray, real actors), `pdserve generate`, and
-`pdserve down`, as subprocesses. The reply must be the engine's greedy output, and after
-`down` the `up` process and its Ray cluster must be gone."""
+`pdserve down`, as subprocesses. The reply must be the engine's greedy output, every /metrics
+target `up` lists must answer, and after `down` the `up` process and its Ray cluster must be
+gone."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,12 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def write_config(tmp_path: Path, mode: str, transport: str = "zmq", **pool_extra) -> Path:
     cfg = yaml.safe_load((REPO / "configs" / ("local.yaml" if mode == "disaggregated" else "colocated.yaml")).read_text())
-    cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port())
+    cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port(), http_port=free_port())
+    cfg["logging"] = {"format": "json"}
     if mode == "disaggregated":
         cfg["kv_transfer"].update(transport=transport, dist_port=free_port())
     for role in ("prefill", "decode", "colocated"):
         if role in cfg:
             cfg[role]["base_port"] = free_port()
+            cfg[role]["metrics_base_port"] = free_port()
             cfg[role]["num_cpus_per_worker"] = 0.5  # two workers + router on a 2-core machine
             cfg[role].update(pool_extra)
             if role == "decode":
@@ -52,6 +57,21 @@ def concurrent_mix_matches_hf(port: int, hf_model) -> None:
             for p in prompts]
         for p, f in zip(prompts, futures):
             assert list(f.result().token_ids) == hf_greedy(hf_model, p, 10)[0]
+
+
+def scrape_every_target(tmp_path: Path, mode: str) -> None:
+    """The Prometheus file_sd list `up` wrote names the router and each worker; each answers."""
+    (targets_file,) = (tmp_path / "run").glob("*.prometheus.json")
+    targets = json.loads(targets_file.read_text())
+    roles = ["prefill", "decode"] if mode == "disaggregated" else ["colocated"]
+    assert sorted(t["labels"]["component"] for t in targets) == sorted(["router", *roles])
+    for t in targets:
+        text = urllib.request.urlopen(f"http://{t['targets'][0]}/metrics", timeout=10).read().decode()
+        if t["labels"]["component"] == "router":
+            assert "pdserve_goodput_requests_total" in text
+        else:
+            assert f'pdserve_worker_kv_pages_used{{role="{t["labels"]["component"]}",worker_id=' in text
+            assert "pdserve_worker_decode_tokens_total" in text
 
 
 def env(tmp_path: Path) -> dict[str, str]:
@@ -84,6 +104,7 @@ def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
         assert reply.stdout.strip() == offline.stdout[len("def fibonacci(n):"):].strip()
         assert "16 tokens, finish=FINISH_REASON_LENGTH" in reply.stderr
         concurrent_mix_matches_hf(yaml.safe_load(config.read_text())["router"]["grpc_port"], hf_tiny)
+        scrape_every_target(tmp_path, mode)
         twice = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(config)], capture_output=True,
                                text=True, timeout=60, env=env(tmp_path), cwd=REPO)
         assert twice.returncode != 0 and "already up" in twice.stderr
@@ -91,6 +112,7 @@ def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
         assert down.returncode == 0, down.stderr
         assert up.wait(timeout=60) == 0
         assert "pdserve: stopped" in (tmp_path / "up.log").read_text()
+        assert not list((tmp_path / "run").glob("*.prometheus.json"))
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGINT)
