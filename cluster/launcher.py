@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.placement import PlacedGroup, place_worker_group
 from configs import ClusterConfig
 
 RUN_DIR_ENV = "PDSERVE_RUN_DIR"
@@ -37,6 +38,8 @@ class RunningCluster:
     workers: dict[str, object]  # worker_id -> WorkerActor handle
     grpc_address: str
     owns_ray: bool
+    shards: dict[str, list[object]] = field(default_factory=dict)  # worker_id -> ShardActor handles (ranks 1..)
+    groups: dict[str, PlacedGroup] = field(default_factory=dict)  # worker_id -> its placement group
 
     def page_stats(self) -> dict[str, dict[str, int]]:
         import ray
@@ -52,6 +55,7 @@ class RunningCluster:
             except Exception:  # noqa: BLE001 - the actor may already be gone; kill regardless
                 pass
             ray.kill(actor)
+        _release_groups(self.shards, self.groups)
         if self.owns_ray:
             ray.shutdown()
 
@@ -75,11 +79,14 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
     import ray
 
     from cluster.actors import RouterActor, WorkerActor
+    from cluster.shard_actor import ShardActor
 
     owns_ray = _init_ray(config)
     host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
     event_address = f"{host}:{config.router.worker_event_port}"
     workers: dict[str, object] = {}
+    shards: dict[str, list[object]] = {}
+    groups: dict[str, PlacedGroup] = {}
     endpoints = []
     ranks = config.kv_dist_ranks()
     try:
@@ -99,8 +106,18 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
                 if pool.metrics_base_port is not None:
                     metrics = {"port": pool.metrics_base_port + i, "peak_tflops": pool.peak_tflops,
                                "peak_memory_bandwidth_gbps": pool.peak_memory_bandwidth_gbps}
+                placement = {}
+                if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each
+                    groups[worker_id] = place_worker_group(pool, worker_id, timeout_s)
+                    kv["shard_store_address"] = f"{host}:{pool.shard_base_port + i}"
+                    placement = {"scheduling_strategy": groups[worker_id].strategy(0)}
+                    shards[worker_id] = [ShardActor.options(
+                        name=f"pdserve-{worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
+                        num_gpus=pool.num_gpus_per_worker, scheduling_strategy=groups[worker_id].strategy(rank),
+                    ).remote(worker_id, rank, engine, kv["shard_store_address"]) for rank in range(1, pool.engine.world_size)]
                 workers[worker_id] = WorkerActor.options(
                     name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
+                    **placement,
                 ).remote(role, worker_id, engine, host, pool.base_port + i, event_address, kv, metrics,
                          config.logging.model_dump())
                 endpoints.append({"worker_id": worker_id, "role": role, "command_address": f"{host}:{pool.base_port + i}"})
@@ -127,10 +144,22 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
     except BaseException:
         for actor in workers.values():
             ray.kill(actor)
+        _release_groups(shards, groups)
         if owns_ray:
             ray.shutdown()
         raise
-    return RunningCluster(config, router, workers, f"{host}:{config.router.grpc_port}", owns_ray)
+    return RunningCluster(config, router, workers, f"{host}:{config.router.grpc_port}", owns_ray, shards, groups)
+
+
+def _release_groups(shards: dict[str, list[object]], groups: dict[str, PlacedGroup]) -> None:
+    """Ends follower ranks (after their driver sent STOP, or not) and frees their bundles."""
+    import ray
+
+    for actors in shards.values():
+        for actor in actors:
+            ray.kill(actor)
+    for group in groups.values():
+        group.remove()
 
 
 def _wait(actors: dict[str, object], method: str, timeout_s: float, say) -> None:

@@ -16,8 +16,10 @@ from engine import LLMEngine
 from engine.kv_transfer import KVSender, torch_dist
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from engine.metrics import WorkerMetrics
+from engine.parallel import ShardGroup, ShardLayout
 from engine.peak import Peak, measure_peak
 from engine.serving_loop import EventSink, serve
+from engine.shard_follower import group_backend
 from prefill_worker.worker import PrefillWorker
 from proto import worker_messages as wm
 
@@ -29,9 +31,11 @@ class WorkerHost:
                  router_event_address: str, kv_port: int | None = None, kv_checksum: bool = False,
                  kv_transport: str = "zmq", dist_rank: int | None = None, dist_world_size: int | None = None,
                  dist_store_address: str | None = None, metrics_port: int | None = None,
-                 peak: Peak | None = None) -> None:
+                 peak: Peak | None = None, shard_store_address: str | None = None) -> None:
         """`metrics_port`: serve /metrics there (None = no metrics); `peak`: what MBU / MFU are
-        measured against (None = measured now, engine/peak.py)."""
+        measured against (None = measured now, engine/peak.py); `shard_store_address`: a
+        TP x PP engine's group store, which this host (rank 0) opens and its follower ranks
+        (cluster/shard_actor.py) join."""
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
         if kv_transport not in ("zmq", "torch_dist"):
@@ -44,7 +48,13 @@ class WorkerHost:
         self._dist = (dist_rank, dist_world_size, dist_store_address)
         self.role, self.worker_id = role, worker_id
         self.command_address = f"{host}:{command_port}"
-        self.engine = LLMEngine(engine_config)
+        group = None
+        if engine_config.world_size > 1:
+            if shard_store_address is None:
+                raise ValueError(f"a worker with {engine_config.world_size} shards needs a shard_store_address")
+            layout = ShardLayout(engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size, 0)
+            group = ShardGroup.join(layout, shard_store_address, group_backend(engine_config))
+        self.engine = LLMEngine(engine_config, group)
         self.metrics: WorkerMetrics | None = None
         self.metrics_port = metrics_port
         if metrics_port is not None:
@@ -68,6 +78,7 @@ class WorkerHost:
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout_s)
+        self.engine.close()  # a sharded engine's followers leave their loop
         if self.metrics is not None:
             self.metrics.close()
 

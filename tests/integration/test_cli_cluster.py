@@ -22,7 +22,9 @@ from cluster.local_cluster import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_config(tmp_path: Path, mode: str, transport: str = "zmq", **pool_extra) -> Path:
+def write_config(tmp_path: Path, mode: str, transport: str = "zmq", engines: dict | None = None,
+                 **pool_extra) -> Path:
+    """`engines`: per-role engine keys (e.g. TP/PP sizes); `pool_extra`: keys for every pool."""
     cfg = yaml.safe_load((REPO / "configs" / ("local.yaml" if mode == "disaggregated" else "colocated.yaml")).read_text())
     cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port(), http_port=free_port())
     cfg["logging"] = {"format": "json"}
@@ -34,6 +36,9 @@ def write_config(tmp_path: Path, mode: str, transport: str = "zmq", **pool_extra
             cfg[role]["metrics_base_port"] = free_port()
             cfg[role]["num_cpus_per_worker"] = 0.5  # two workers + router on a 2-core machine
             cfg[role].update(pool_extra)
+            cfg[role]["engine"].update((engines or {}).get(role, {}))
+            if cfg[role]["engine"].get("tensor_parallel_size", 1) * cfg[role]["engine"].get("pipeline_parallel_size", 1) > 1:
+                cfg[role]["shard_base_port"] = free_port()
             if role == "decode":
                 cfg[role]["kv_base_port"] = free_port()
     path = tmp_path / f"{mode}.yaml"
@@ -84,19 +89,33 @@ def pdserve(*args, tmp_path, timeout=120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env(tmp_path), cwd=REPO)
 
 
+def start_up(tmp_path: Path, config: Path) -> subprocess.Popen:
+    """`pdserve up` in its own session, returned once it says the cluster is up."""
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(config)], stdout=log,
+                          stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + 180
+    while "cluster up" not in (tmp_path / "up.log").read_text():
+        if up.poll() is not None or time.monotonic() > deadline:
+            stop_up(up)
+            pytest.fail((tmp_path / "up.log").read_text())
+        time.sleep(0.5)
+    return up
+
+
+def stop_up(up: subprocess.Popen) -> None:
+    if up.poll() is None:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(60)
+
+
 @pytest.mark.parametrize(("mode", "transport"),
                          [("disaggregated", "zmq"), ("disaggregated", "torch_dist"), ("colocated", "zmq")])
 def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
     config = write_config(tmp_path, mode, transport)
-    log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(config)], stdout=log,
-                          stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True)
+    up = start_up(tmp_path, config)
     try:
-        deadline = time.monotonic() + 180
-        while "cluster up" not in (tmp_path / "up.log").read_text():
-            assert up.poll() is None, (tmp_path / "up.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
-            time.sleep(0.5)
         reply = pdserve("generate", "def fibonacci(n):", "--config", str(config), "--max-tokens", "16",
                         "--ignore-eos", tmp_path=tmp_path)
         assert reply.returncode == 0, reply.stderr
@@ -114,12 +133,35 @@ def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
         assert "pdserve: stopped" in (tmp_path / "up.log").read_text()
         assert not list((tmp_path / "run").glob("*.prometheus.json"))
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGINT)
-            up.wait(60)
-        log.close()
+        stop_up(up)
     again = pdserve("down", str(config), tmp_path=tmp_path)
     assert again.returncode == 1 and "no running cluster" in again.stderr
+
+
+def test_sharded_pools_prefill_tp2_to_decode_pp2(tmp_path, hf_tiny):
+    """TP=2 prefill ships whole pages regrouped for a PP=2 decode worker: each worker is a
+    placement group of two Ray actors (driver + follower) joined by gloo."""
+    config = write_config(tmp_path, "disaggregated", engines={"prefill": {"tensor_parallel_size": 2},
+                                                               "decode": {"pipeline_parallel_size": 2}},
+                          num_cpus_per_worker=0.25)
+    up = start_up(tmp_path, config)
+    try:
+        concurrent_mix_matches_hf(yaml.safe_load(config.read_text())["router"]["grpc_port"], hf_tiny)
+        down = pdserve("down", str(config), tmp_path=tmp_path)
+        assert down.returncode == 0, down.stderr
+        assert up.wait(timeout=60) == 0
+    finally:
+        stop_up(up)
+
+
+def test_sharded_worker_that_cannot_be_placed_names_its_bundles(tmp_path):
+    config = write_config(tmp_path, "disaggregated", engines={"prefill": {"tensor_parallel_size": 2}},
+                          num_cpus_per_worker=8)  # 2 x 8 CPUs on a machine Ray sees with far fewer
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(config), "--timeout", "5"],
+                          capture_output=True, text=True, timeout=120, env=env(tmp_path), cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert "prefill-0: its 2 shards ({'CPU': 8.0} each, STRICT_PACK) could not be placed" in proc.stderr
+    assert "available" in proc.stderr
 
 
 def test_up_names_workers_that_cannot_be_placed(tmp_path):
