@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,15 +29,19 @@ def free_port() -> int:
 
 class LocalCluster:
     def __init__(self, model_dir, mode: str, engine: EngineConfig, max_queued_requests: int = 64,
-                 ready_timeout_s: float = 60.0, metrics_peak: Peak | None = None, **router_options) -> None:
+                 ready_timeout_s: float = 60.0, metrics_peak: Peak | None = None, num_workers: int = 1,
+                 crash_when: dict[str, Callable[[object], str | None]] | None = None, **router_options) -> None:
         """`metrics_peak`: serve each worker's /metrics on a free port (`metrics_address`),
-        measuring MBU / MFU against this peak; `router_options`: more Router settings (SLOs)."""
+        measuring MBU / MFU against this peak; `num_workers` per role; `crash_when`: worker id
+        -> fault-injection hook (cluster/worker_host.py); `router_options`: more Router
+        settings (SLOs, retries, heartbeat timeout)."""
         event = f"127.0.0.1:{free_port()}"
         roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
-        self.hosts = [WorkerHost(role, f"{role}-0", engine, "127.0.0.1", free_port(), event,
+        self.hosts = [WorkerHost(role, f"{role}-{i}", engine, "127.0.0.1", free_port(), event,
                                  kv_port=free_port() if role == "decode" else None, kv_checksum=True,
-                                 metrics_port=free_port() if metrics_peak else None, peak=metrics_peak)
-                      for role in roles]
+                                 metrics_port=free_port() if metrics_peak else None, peak=metrics_peak,
+                                 crash_when=(crash_when or {}).get(f"{role}-{i}"))
+                      for role in roles for i in range(num_workers)]
         for h in self.hosts:
             h.start()
         endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]
@@ -50,7 +55,8 @@ class LocalCluster:
         self.stub = pdserve_pb2_grpc.GenerationStub(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + ready_timeout_s
-        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+        while (health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING
+               or not all(self.router.pool.healthy(h.worker_id) for h in self.hosts)):
             if time.monotonic() > deadline:
                 self.close()
                 raise TimeoutError("the local cluster never became healthy")
@@ -63,7 +69,7 @@ class LocalCluster:
     def wait_pages_free(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            stats = [h.page_stats() for h in self.hosts]
+            stats = [h.page_stats() for h in self.hosts if not h.crashed]  # a dead worker's pages died with it
             if all(s["referenced"] == 0 for s in stats):
                 return
             if time.monotonic() > deadline:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 from configs import EngineConfig
 from decode_worker.colocated import ColocatedWorker
@@ -26,16 +27,24 @@ from proto import worker_messages as wm
 ROLES = ("prefill", "decode", "colocated")
 
 
+class WorkerCrashed(BaseException):
+    """Fault injection (tests): the worker stops here as a killed process would, mid-request,
+    sending nothing more (BaseException: no role code may swallow it)."""
+
+
 class WorkerHost:
     def __init__(self, role: str, worker_id: str, engine_config: EngineConfig, host: str, command_port: int,
                  router_event_address: str, kv_port: int | None = None, kv_checksum: bool = False,
                  kv_transport: str = "zmq", dist_rank: int | None = None, dist_world_size: int | None = None,
                  dist_store_address: str | None = None, metrics_port: int | None = None,
-                 peak: Peak | None = None, shard_store_address: str | None = None) -> None:
+                 peak: Peak | None = None, shard_store_address: str | None = None,
+                 crash_when: Callable[[object], str | None] | None = None) -> None:
         """`metrics_port`: serve /metrics there (None = no metrics); `peak`: what MBU / MFU are
         measured against (None = measured now, engine/peak.py); `shard_store_address`: a
         TP x PP engine's group store, which this host (rank 0) opens and its follower ranks
-        (cluster/shard_actor.py) join."""
+        (cluster/shard_actor.py) join; `crash_when` (fault-injection tests only): sees each
+        event the role emits and answers "before" or "after" (sending it) to crash the worker
+        there, None to go on."""
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
         if kv_transport not in ("zmq", "torch_dist"):
@@ -45,6 +54,8 @@ class WorkerHost:
         if kv_transport == "torch_dist" and role != "colocated" and None in (dist_rank, dist_world_size, dist_store_address):
             raise ValueError("the torch_dist KV transport needs dist_rank, dist_world_size and dist_store_address")
         self._kv_transport = kv_transport
+        self._crash_when = crash_when
+        self.crashed = False
         self._dist = (dist_rank, dist_world_size, dist_store_address)
         self.role, self.worker_id = role, worker_id
         self.command_address = f"{host}:{command_port}"
@@ -85,14 +96,26 @@ class WorkerHost:
     def page_stats(self) -> dict[str, int]:
         return self.engine.page_stats()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def state(self) -> dict:
+        """Queues and KV pages, read from another thread (a snapshot; may be a step behind)."""
+        sched = self.engine.scheduler
+        pages = self.engine.page_stats()
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_pages": pages,
+                "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
+
     def _run(self) -> None:
         # Sockets are created, used and closed on this thread only (ZMQ sockets are not
         # thread-safe).
         events = EventSink(self._router_event_address)
         closers = [events.close]
         try:
-            role = self._make_role(events.emit, closers)
+            role = self._make_role(self._faulty(events.emit) if self._crash_when else events.emit, closers)
             serve(role, self.command_address, events, self._load(role), self._stop, on_ready=self._ready.set)
+        except WorkerCrashed:
+            self.crashed = True
         except BaseException as exc:  # noqa: BLE001 - reported to start() / the actor
             self.error = exc
             self._ready.set()
@@ -100,6 +123,18 @@ class WorkerHost:
         finally:
             for close in closers:
                 close()
+
+    def _faulty(self, emit: Callable[[object], None]) -> Callable[[object], None]:
+        def emit_or_crash(message: object) -> None:
+            when = self._crash_when(message)
+            if when == "after":
+                emit(message)
+            if when is not None:
+                self._stop.set()  # heartbeats stop with the loop
+                raise WorkerCrashed(f"{self.worker_id}: injected crash at {type(message).__name__} ({when})")
+            emit(message)
+
+        return emit_or_crash
 
     def _make_role(self, emit, closers):
         observe_transfer = self.metrics.observe_transfer if self.metrics is not None else None

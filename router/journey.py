@@ -3,17 +3,27 @@
 `run_journey` drives the worker messages for one validated request and yields response
 messages as text becomes available. Disaggregated: reserve pages on a decode worker first
 (retrying while the pool is full: backpressure), then prefill, stream the first token as soon
-as it arrives, start decode, stream the rest. Colocated: one Generate. Whatever ends the
-journey (finish, stop string, error, cancel, deadline), the `finally` sends Abort to every
-worker involved that may still hold something, so pages are freed on every side.
+as it arrives, start decode, stream the rest. Colocated: one Generate. Whatever ends an
+attempt (finish, stop string, error, cancel, deadline, a lost worker), its `finally` sends
+Abort to every worker involved that may still hold something, so pages are freed on every side.
+
+A worker that dies under a request (no heartbeat, or a KV transfer that failed because its
+sender died) does not fail the request: a new attempt re-sends the prompt plus every token the
+client already has, as a fresh prompt, to healthy workers (another decode reservation, another
+prefill), and the stream goes on where it stopped. Greedy decoding continues with exactly the
+tokens the lost worker would have produced; sampled decoding continues from the same text with
+fresh draws. Attempt k > 0 runs on the workers under the id `<request id>.retry<k>`, so events
+of a lost attempt are never mistaken for the new one's. After `max_attempts` the client gets
+UNAVAILABLE naming what was lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -24,6 +34,7 @@ from router.stop_strings import StopStringMatcher
 from router.tokenizer import IncrementalDetokenizer, RouterTokenizer
 from router.worker_pool import WorkerPool
 
+log = logging.getLogger(__name__)
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
@@ -31,6 +42,13 @@ class RouterError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class WorkerLost(RouterError):
+    """A worker holding part of an attempt died (or its KV transfer did): worth another attempt."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
 @dataclass(frozen=True)
@@ -48,97 +66,168 @@ class JourneySettings:
     kv_timeout_s: float
     lease_s: float
     reserve_retry_s: float = 0.02
+    max_attempts: int = 3  # the first try plus retries after lost workers
+    retry_wait_s: float = 10.0  # a retry waits this long for a healthy worker (a replacement) to appear
+
+
+@dataclass
+class _Stream:
+    """What the client has been sent so far; survives attempts."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    start: float = field(default_factory=time.monotonic)
+    ttft: float | None = None
+    generated: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    done: bool = False
 
 
 async def run_journey(
     j: Journey, pool: WorkerPool, policy: LeastLoadedPolicy, tokenizer: RouterTokenizer, settings: JourneySettings,
     on_dispatch: Callable[[str], None] | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
-    """`on_dispatch(worker_id)` is called once, when the prompt is sent to the worker that
+    """`on_dispatch(worker_id)` is called once, when the prompt is first sent to the worker that
     computes it (after any wait for decode pages): the end of the request's router queue time."""
-    events = pool.subscribe(j.request_id)
-    involved: set[str] = set()
-    finished = False
-    start = time.monotonic()
-    ttft = None
-    detok = IncrementalDetokenizer(tokenizer)
-    stops = StopStringMatcher(list(j.stop))
-    num_generated = 0
-    num_cached = 0
+    stream = _Stream(IncrementalDetokenizer(tokenizer), StopStringMatcher(list(j.stop)))
+    dispatched = [] if on_dispatch is None else [on_dispatch]
+    lost: list[str] = []
+    try:
+        for attempt in range(settings.max_attempts):
+            try:
+                async for response in _attempt(j, attempt, stream, pool, policy, settings, dispatched):
+                    yield response
+                return
+            except WorkerLost as exc:
+                lost.append(str(exc))
+                log.warning("request %s: attempt %d lost (%s); %s", j.request_id, attempt + 1, exc,
+                            "retrying" if attempt + 1 < settings.max_attempts else "giving up")
+            except RouterError as exc:
+                if not lost:
+                    raise
+                raise RouterError(exc.code, f"{exc} (retrying after: {'; '.join(lost)})") from None
+        raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                          f"gave up after {settings.max_attempts} attempts: {'; '.join(lost)}")
+    finally:
+        pool.release(j.request_id)
+
+
+async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, policy: LeastLoadedPolicy,
+                   settings: JourneySettings, dispatched: list) -> AsyncIterator[pb.GenerateResponse]:
+    """One try at the rest of the request: the prompt plus what the client already has."""
+    rid = j.request_id if attempt == 0 else f"{j.request_id}.retry{attempt}"
+    prompt = j.prompt + tuple(stream.generated)
+    sampling = replace(j.sampling, max_tokens=j.sampling.max_tokens - len(stream.generated))
+    events = pool.subscribe(rid)
+    involved: set[str] = set()  # workers that may hold something of this attempt: Abort them at the end
+    watched: set[str] = set()  # workers whose death ends this attempt
+    wait_s = settings.retry_wait_s if attempt > 0 else 0.0
+
+    def use(worker: str) -> None:
+        involved.add(worker)
+        watched.add(worker)
+        pool.involve(j.request_id, worker)
+
+    def first_dispatch(worker: str) -> None:
+        while dispatched:
+            dispatched.pop()(worker)
+
     try:
         if settings.mode == "colocated":
-            worker = policy.choose_decode(j.prompt, pool.loads("colocated"))
-            if worker is None:
-                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy colocated worker")
-            involved.add(worker)
-            await pool.send(worker, wm.Generate(j.request_id, j.prompt, j.sampling))
-            if on_dispatch is not None:
-                on_dispatch(worker)
+            worker = await _choose(lambda: policy.choose_decode(prompt, pool.loads("colocated")), j, wait_s,
+                                   "no healthy colocated worker")
+            use(worker)
+            await pool.send(worker, wm.Generate(rid, prompt, sampling))
+            first_dispatch(worker)
         else:
-            decode_worker = await _reserve(j, pool, policy, settings, events, involved)
+            decode_worker = await _reserve(j, rid, prompt, pool, policy, settings, events, use, wait_s)
         while True:
-            msg = await _next(events, j.deadline, pool, involved)
+            msg = await _next(events, j.deadline, pool, watched)
             if isinstance(msg, wm.Reserved):
-                prefill = policy.choose_prefill(j.prompt, pool.loads("prefill"))
-                if prefill is None:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-                policy.record(j.prompt, prefill)
-                involved.add(prefill)
+                prefill = await _choose(lambda: policy.choose_prefill(prompt, pool.loads("prefill")), j, wait_s,
+                                        "no healthy prefill worker")
+                policy.record(prompt, prefill)
+                use(prefill)
                 kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, settings.kv_timeout_s)
-                await pool.send(prefill, wm.Prefill(j.request_id, j.prompt, j.sampling, kv))
-                if on_dispatch is not None:
-                    on_dispatch(prefill)
+                await pool.send(prefill, wm.Prefill(rid, prompt, sampling, kv))
+                first_dispatch(prefill)
                 continue
             if isinstance(msg, wm.Failed):
+                if msg.stage == "transfer":  # the KV never arrived whole: its sender may be gone
+                    raise WorkerLost(f"KV transfer to {msg.worker_id} failed: {msg.reason}")
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{msg.stage} failed on {msg.worker_id}: {msg.reason}")
             if isinstance(msg, wm.TransferEnded):
+                if msg.state == "done":  # the prefill worker holds nothing more of this request
+                    involved.discard(msg.worker_id)
+                    watched.discard(msg.worker_id)
                 continue  # a failed transfer also reaches us as the decode worker's Failed
             if isinstance(msg, wm.FirstToken):
-                await pool.send(decode_worker, wm.StartDecode(j.request_id, j.prompt, msg.token_id, j.sampling))
-                new_ids, reason, num_cached = [msg.token_id], None, msg.num_cached_prompt_tokens
+                await pool.send(decode_worker, wm.StartDecode(rid, prompt, msg.token_id, sampling))
+                new_ids, reason = [msg.token_id], None
+                if attempt == 0:
+                    stream.num_cached = msg.num_cached_prompt_tokens
             elif isinstance(msg, wm.Tokens):
                 new_ids, reason = list(msg.token_ids), msg.finish_reason if msg.finished else None
-                if settings.mode == "colocated":  # disaggregated: the prefill side's count (FirstToken)
-                    num_cached = msg.num_cached_prompt_tokens
+                if settings.mode == "colocated" and attempt == 0:  # disaggregated: the prefill side's count
+                    stream.num_cached = msg.num_cached_prompt_tokens
             else:
                 continue
-            ttft = ttft if ttft is not None or not new_ids else time.monotonic() - start
-            num_generated += len(new_ids)
-            text = stops.push(detok.push(new_ids))
-            if stops.stopped:
-                reason = "stop"
-            if reason is not None:
-                if not stops.stopped:  # the end of the stream: release what was held back
-                    text += stops.push(detok.flush())
-                    text += stops.flush()
-                    reason = "stop" if stops.stopped else reason
-                finished = reason != "abort"
-                yield pb.GenerateResponse(
-                    request_id=j.request_id, text=text, token_ids=new_ids, finish_reason=FINISH[reason],
-                    usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=num_generated,
-                                   cached_prompt_tokens=num_cached, ttft_s=ttft or 0.0))
+            response = _respond(j, stream, new_ids, reason)
+            if response is not None:
+                yield response
+            if stream.done:
                 return
-            if text or new_ids:
-                yield pb.GenerateResponse(request_id=j.request_id, text=text, token_ids=new_ids)
     finally:
-        pool.unsubscribe(j.request_id)
-        if not finished or stops.stopped:
-            for worker in involved:  # cancel, deadline, error or stop string: free every side
+        pool.unsubscribe(rid)
+        if not stream.done or stream.stops.stopped:
+            for worker in involved:  # cancel, deadline, error, lost worker or stop string: free every side
                 try:
-                    await pool.send(worker, wm.Abort(j.request_id))
+                    await pool.send(worker, wm.Abort(rid))
                 except Exception:  # noqa: BLE001 - best effort; the workers' leases are the backstop
                     pass
 
 
-async def _reserve(j, pool, policy, settings, events, involved) -> str:
+def _respond(j: Journey, stream: _Stream, new_ids: list[int], reason: str | None) -> pb.GenerateResponse | None:
+    """The client's next message for `new_ids` (None when there is nothing to send yet)."""
+    if stream.ttft is None and new_ids:
+        stream.ttft = time.monotonic() - stream.start
+    stream.generated += new_ids
+    text = stream.stops.push(stream.detok.push(new_ids))
+    if stream.stops.stopped:
+        reason = "stop"
+    if reason is None:
+        return pb.GenerateResponse(request_id=j.request_id, text=text, token_ids=new_ids) if text or new_ids else None
+    if not stream.stops.stopped:  # the end of the stream: release what was held back
+        text += stream.stops.push(stream.detok.flush())
+        text += stream.stops.flush()
+        reason = "stop" if stream.stops.stopped else reason
+    stream.done = reason != "abort"
+    return pb.GenerateResponse(
+        request_id=j.request_id, text=text, token_ids=new_ids, finish_reason=FINISH[reason],
+        usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=len(stream.generated),
+                       cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0))
+
+
+async def _choose(choose: Callable[[], str | None], j: Journey, wait_s: float, none_message: str) -> str:
+    """A worker from the policy; a retry waits up to `wait_s` for one to become healthy."""
+    give_up = min(time.monotonic() + wait_s, j.deadline)
+    while True:
+        worker = choose()
+        if worker is not None:
+            return worker
+        if time.monotonic() >= give_up:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, none_message)
+        await asyncio.sleep(0.1)
+
+
+async def _reserve(j, rid, prompt, pool, policy, settings, events, use, wait_s) -> str:
     """Reserves decode pages, retrying while every decode worker is full (backpressure)."""
     while True:
-        worker = policy.choose_decode(j.prompt, pool.loads("decode"))
-        if worker is None:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-        involved.add(worker)
-        await pool.send(worker, wm.ReserveKV(j.request_id, j.prompt, settings.lease_s))
-        msg = await _next(events, j.deadline, pool, involved)
+        worker = await _choose(lambda: policy.choose_decode(prompt, pool.loads("decode")), j, wait_s,
+                               "no healthy decode worker")
+        use(worker)
+        await pool.send(worker, wm.ReserveKV(rid, prompt, settings.lease_s))
+        msg = await _next(events, j.deadline, pool, {worker})
         if isinstance(msg, wm.Reserved):
             events.put_nowait(msg)  # let the main loop act on it
             return worker
@@ -148,7 +237,7 @@ async def _reserve(j, pool, policy, settings, events, involved) -> str:
         await asyncio.sleep(settings.reserve_retry_s)
 
 
-async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, involved: set[str],
+async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, watched: set[str],
                 check_every_s: float = 0.25) -> object:
     """The next event for this request. Fails fast, instead of waiting out the deadline, when a
     worker holding part of the request stops sending heartbeats."""
@@ -159,7 +248,6 @@ async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, involv
         try:
             return await asyncio.wait_for(events.get(), min(remaining, check_every_s))
         except asyncio.TimeoutError:
-            dead = sorted(w for w in involved if not pool.healthy(w))
+            dead = sorted(w for w in watched if not pool.healthy(w))
             if dead:
-                raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                  f"worker {', '.join(dead)} stopped responding (no heartbeat)") from None
+                raise WorkerLost(f"worker {', '.join(dead)} stopped responding (no heartbeat)") from None

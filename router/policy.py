@@ -19,18 +19,22 @@ class WorkerLoad:
     queued_tokens: int = 0  # prefill: prompt tokens accepted and not yet prefilled
     free_pages: int = 0  # decode: KV pages free (or only held by the prefix cache)
     running: int = 0
+    in_flight: int = 0  # requests the router has sent here and not seen end: fresher than a heartbeat
 
 
 class LeastLoadedPolicy:
-    """Prefill: fewest queued prompt tokens. Decode: most free KV pages. Ties: lowest id."""
+    """Prefill: fewest queued prompt tokens, then fewest requests in flight. Decode: fewest
+    requests in flight, then most free KV pages. Ties: lowest id. Heartbeat loads are up to a
+    beat old, so a burst would all see the same numbers; the router's own in-flight counts
+    spread it."""
 
     def choose_prefill(self, prompt: Sequence[int], loads: Sequence[WorkerLoad]) -> str | None:
         healthy = [w for w in loads if w.healthy]
-        return min(healthy, key=lambda w: (w.queued_tokens, w.worker_id)).worker_id if healthy else None
+        return min(healthy, key=lambda w: (w.queued_tokens, w.in_flight, w.worker_id)).worker_id if healthy else None
 
     def choose_decode(self, prompt: Sequence[int], loads: Sequence[WorkerLoad]) -> str | None:
         healthy = [w for w in loads if w.healthy]
-        return min(healthy, key=lambda w: (-w.free_pages, w.worker_id)).worker_id if healthy else None
+        return min(healthy, key=lambda w: (w.in_flight, -w.free_pages, w.worker_id)).worker_id if healthy else None
 
     def record(self, prompt: Sequence[int], prefill_worker: str) -> None:
         pass

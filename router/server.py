@@ -54,6 +54,9 @@ class Router:
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
         slo_window_s: float = 60.0,
+        max_attempts: int = 3,
+        retry_wait_s: float = 10.0,
+        heartbeat_timeout_s: float = 3.0,
     ) -> None:
         self.tokenizer = RouterTokenizer(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -62,9 +65,11 @@ class Router:
         self.event_address = event_address
         self.policy = make_policy(policy)
         self.max_queued_requests = max_queued_requests
-        self.settings = JourneySettings(mode=mode, kv_timeout_s=kv_timeout_s, lease_s=lease_s)
+        self.settings = JourneySettings(mode=mode, kv_timeout_s=kv_timeout_s, lease_s=lease_s,
+                                        max_attempts=max_attempts, retry_wait_s=retry_wait_s)
         self.roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
         self.default_timeout_s = default_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.num_in_flight = 0
         self.metrics = RouterMetrics(SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms), slo_window_s)
         self.log = EventLog("router")
@@ -75,7 +80,7 @@ class Router:
 
     async def start(self, host: str, port: int) -> int:
         """Binds and starts serving; returns the bound gRPC port (port 0 picks one, for tests)."""
-        self.pool = WorkerPool(self.endpoints, self.event_address)
+        self.pool = WorkerPool(self.endpoints, self.event_address, self.heartbeat_timeout_s)
         self.pool.start()
         self.server = grpc.aio.server(options=GRPC_OPTIONS)
         service = _GenerationService(self)
@@ -109,6 +114,28 @@ class Router:
 
     def is_ready(self) -> bool:
         return self.pool is not None and self.pool.all_healthy(self.roles)
+
+    # -- membership (pdserve scale / replacement; called on the router's event loop) -------------
+    def add_worker(self, endpoint: WorkerEndpoint) -> None:
+        """Routes to a new worker once its heartbeats say it is healthy."""
+        self.pool.add(endpoint)
+        self.log.event("worker_added", None, worker=endpoint.worker_id, role=endpoint.role)
+
+    async def drain_worker(self, worker_id: str, timeout_s: float) -> int:
+        """Stops routing to `worker_id`, waits until the requests it holds have finished (or
+        `timeout_s`), then forgets it; returns how many were still in flight (0 = drained)."""
+        self.pool.drain(worker_id)
+        self.log.event("worker_draining", None, worker=worker_id, in_flight=self.pool.in_flight(worker_id))
+        deadline = time.monotonic() + timeout_s
+        while self.pool.in_flight(worker_id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.pool.in_flight(worker_id)
+        self.pool.remove(worker_id)
+        self.log.event("worker_removed", None, worker=worker_id, in_flight=left)
+        return left
+
+    def view(self) -> dict:
+        return {"ready": self.is_ready(), "in_flight": self.num_in_flight, "workers": self.pool.view()}
 
     async def _watch_health(self) -> None:
         while True:

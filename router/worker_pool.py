@@ -4,6 +4,10 @@ dispatch of worker events to the request they belong to.
 One PULL socket (bound on router.worker_event_port) takes every worker's events; Load
 heartbeats update health and policy inputs, everything else goes to the waiting request's
 queue by request id (events for requests that already ended are dropped).
+
+Membership changes at run time (`pdserve scale`): `add` connects to a new worker, `drain`
+stops routing new requests to one while those it holds finish (`in_flight` counts them), and
+`remove` forgets it. A draining or unhealthy worker is never offered to the policy.
 """
 
 from __future__ import annotations
@@ -32,13 +36,12 @@ class WorkerEndpoint:
 class WorkerPool:
     def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, heartbeat_timeout_s: float = 3.0) -> None:
         self._ctx = zmq.asyncio.Context.instance()
-        self.endpoints = {e.worker_id: e for e in endpoints}
+        self.endpoints: dict[str, WorkerEndpoint] = {}
         self._commands: dict[str, zmq.asyncio.Socket] = {}
+        self._draining: set[str] = set()
+        self._requests: dict[str, set[str]] = {}  # worker id -> ids of requests it takes part in
         for e in endpoints:
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{e.command_address}")
-            self._commands[e.worker_id] = sock
+            self.add(e)
         self._events = self._ctx.socket(zmq.PULL)
         self._events.setsockopt(zmq.LINGER, 0)
         self._events.bind(f"tcp://{event_address}")
@@ -61,6 +64,52 @@ class WorkerPool:
         for sock in [*self._commands.values(), self._events]:
             sock.close()
 
+    # -- membership -----------------------------------------------------------------------------
+    def add(self, endpoint: WorkerEndpoint) -> None:
+        if endpoint.worker_id in self.endpoints:
+            raise ValueError(f"worker {endpoint.worker_id} is already in the pool")
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{endpoint.command_address}")
+        self._commands[endpoint.worker_id] = sock
+        self.endpoints[endpoint.worker_id] = endpoint
+
+    def drain(self, worker_id: str) -> None:
+        """No new requests for `worker_id`; the ones it holds go on."""
+        if worker_id not in self.endpoints:
+            raise KeyError(f"no worker {worker_id} in the pool")
+        self._draining.add(worker_id)
+
+    def remove(self, worker_id: str) -> None:
+        self._commands.pop(worker_id).close()
+        del self.endpoints[worker_id]
+        for table in (self._loads, self._last_seen, self._requests):
+            table.pop(worker_id, None)
+        self._draining.discard(worker_id)
+
+    def involve(self, request_id: str, worker_id: str) -> None:
+        self._requests.setdefault(worker_id, set()).add(request_id)
+
+    def release(self, request_id: str) -> None:
+        for ids in self._requests.values():
+            ids.discard(request_id)
+
+    def in_flight(self, worker_id: str) -> int:
+        return len(self._requests.get(worker_id, ()))
+
+    def view(self) -> list[dict]:
+        """Each worker as the router sees it (for `pdserve status`)."""
+        out = []
+        for wid, e in sorted(self.endpoints.items()):
+            load = self._loads.get(wid)
+            seen = self._last_seen.get(wid)
+            out.append({"worker_id": wid, "role": e.role, "command_address": e.command_address,
+                        "healthy": self.healthy(wid), "draining": wid in self._draining,
+                        "in_flight": self.in_flight(wid), "last_heartbeat_s": None if seen is None else
+                        round(time.monotonic() - seen, 3), "queued_tokens": load.queued_tokens if load else None,
+                        "free_pages": load.free_pages if load else None, "running": load.running if load else None})
+        return out
+
     # -- health and load ------------------------------------------------------------------------
     def healthy(self, worker_id: str) -> bool:
         seen = self._last_seen.get(worker_id)
@@ -69,11 +118,11 @@ class WorkerPool:
     def loads(self, role: str) -> list[WorkerLoad]:
         out = []
         for wid, e in self.endpoints.items():
-            if e.role != role:
+            if e.role != role or wid in self._draining:
                 continue
             load = self._loads.get(wid)
             out.append(WorkerLoad(wid, self.healthy(wid), load.queued_tokens if load else 0,
-                                  load.free_pages if load else 0, load.running if load else 0))
+                                  load.free_pages if load else 0, load.running if load else 0, self.in_flight(wid)))
         return out
 
     def all_healthy(self, roles: list[str]) -> bool:

@@ -181,10 +181,11 @@ def test_no_live_worker_is_unavailable(tiny_dir):
         c.close()
 
 
-def test_a_worker_that_dies_mid_stream_fails_the_request_fast(tiny_dir):
-    c = LocalCluster(tiny_dir, "disaggregated", ENGINE)
+def test_a_worker_that_dies_mid_stream_with_none_to_take_over_fails_the_request_fast(tiny_dir):
+    """The only decode worker dies: the retry finds no healthy one within retry_wait_s, and the
+    client hears why (tests/integration/test_fault_tolerance.py covers retries that succeed)."""
+    c = LocalCluster(tiny_dir, "disaggregated", ENGINE, heartbeat_timeout_s=1.0, retry_wait_s=1.0)
     try:
-        c.router.pool.heartbeat_timeout_s = 1.0
         call = c.stub.Generate(request([0] + list(range(900, 950)), max_tokens=1900), timeout=120)
         next(iter(call))
         start = time.monotonic()
@@ -193,7 +194,9 @@ def test_a_worker_that_dies_mid_stream_fails_the_request_fast(tiny_dir):
             for _ in call:
                 pass
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "decode-0 stopped responding" in info.value.details()
+        assert "no healthy decode worker (retrying after: worker decode-0 stopped responding" in info.value.details()
         assert time.monotonic() - start < 10  # not the request's 120 s deadline
+        c.hosts[0].stop()
+        assert c.hosts[0].page_stats()["referenced"] == 0  # the prefill side freed the lost attempt's KV
     finally:
         c.close()

@@ -1,0 +1,104 @@
+"""Surviving worker failures, in one process: a router and two prefill plus two decode workers
+(threads, real ZMQ and gRPC). A fault hook crashes a worker at one stage of a chosen request's
+journey, as a killed process would (no more events, no more heartbeats), while other requests
+run beside it. Every request must end within its deadline with exactly Hugging Face's greedy
+tokens (a lost attempt is resumed from the prompt plus the tokens already streamed), and the
+surviving workers must hold no pages afterwards."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cluster.local_cluster import LocalCluster
+from configs import EngineConfig
+from proto import pdserve_pb2 as pb
+from proto import worker_messages as wm
+from tests.helpers import hf_greedy
+
+# A 64-token prefill budget: the longer prompts prefill in several chunks, so pages are already
+# on their way when the first token is produced.
+ENGINE = EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=64, max_num_seqs=16)
+PROMPTS = [list(range(10, 110)), [0, 77, 5], list(range(200, 240)), list(range(300, 390)), [0] + list(range(500, 520)),
+           list(range(600, 612))]
+TARGET = "req-3"  # the request whose journey the fault is pinned to
+MAX_TOKENS = 12
+ROUTER = {"heartbeat_timeout_s": 1.0, "retry_wait_s": 5.0}
+
+
+def crash_once(role: str, event: type, when: str, nth: int = 1):
+    """Hooks for every worker of `role`: the first one to emit its `nth` `event` for TARGET
+    (or a retry of it) crashes there, once for the whole cluster."""
+    lock = threading.Lock()
+    seen = {"count": 0, "fired": False}
+
+    def hook(message: object) -> str | None:
+        if not isinstance(message, event) or not message.request_id.startswith(TARGET):
+            return None
+        with lock:
+            seen["count"] += 1
+            if seen["fired"] or seen["count"] < nth:
+                return None
+            seen["fired"] = True
+        return when
+
+    return {f"{role}-{i}": hook for i in range(2)}
+
+
+STAGES = {
+    # Reserved never reaches the router: the decode worker died holding the reservation.
+    "reserved": ("decode", wm.Reserved, "before", 1),
+    # Prefill computed (earlier chunks' pages already shipped) but the first token is lost.
+    "prefill running": ("prefill", wm.FirstToken, "before", 1),
+    # The client has the first token; the prefill dies before shipping the rest of the KV.
+    "transfer in flight": ("prefill", wm.FirstToken, "after", 1),
+    # The KV arrived; the prefill worker dies afterwards (the request needs nothing from it).
+    "transfer done": ("prefill", wm.TransferEnded, "after", 1),
+    # The client has a few tokens; the decode worker dies mid-stream.
+    "decoding": ("decode", wm.Tokens, "before", 3),
+}
+
+
+@pytest.fixture(scope="module")
+def expected(hf_tiny):
+    return [hf_greedy(hf_tiny, p, MAX_TOKENS)[0] for p in PROMPTS]
+
+
+def run_all(cluster: LocalCluster) -> list[list[int] | grpc.RpcError]:
+    def one(i: int):
+        req = pb.GenerateRequest(request_id=f"req-{i}", token_ids=pb.TokenIds(ids=PROMPTS[i]),
+                                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        ids = []
+        try:
+            for resp in cluster.stub.Generate(req, timeout=60):
+                ids += resp.token_ids
+        except grpc.RpcError as exc:
+            return exc
+        return ids
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, range(len(PROMPTS))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_worker_dies_at_each_stage(tiny_dir, expected, stage):
+    role, event, when, nth = STAGES[stage]
+    cluster = LocalCluster(tiny_dir, "disaggregated", ENGINE, num_workers=2,
+                           crash_when=crash_once(role, event, when, nth), **ROUTER)
+    try:
+        start = time.monotonic()
+        results = run_all(cluster)
+        assert time.monotonic() - start < 60
+        crashed = [h.worker_id for h in cluster.hosts if h.crashed]
+        assert len(crashed) == 1 and crashed[0].startswith(role), crashed
+        for i, got in enumerate(results):
+            assert not isinstance(got, grpc.RpcError), f"req-{i}: {got.code()} {got.details()}"
+            assert got == expected[i], f"req-{i}"
+        cluster.wait_pages_free()
+    finally:
+        cluster.close()
