@@ -8,6 +8,7 @@ stats for `pdserve up` / `pdserve status` and tests.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import ray
@@ -37,6 +38,15 @@ class WorkerActor:
 
     def page_stats(self) -> dict[str, int]:
         return self.host.page_stats()
+
+    def alive(self) -> bool:
+        """False once the worker's serving loop has ended (the supervisor replaces it)."""
+        return self.host.alive()
+
+    def state(self) -> dict:
+        """For `pdserve status`: where the worker runs, its queues and KV pages."""
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "alive": self.host.alive(),
+                **self.host.state()}
 
     def stop(self) -> None:
         self.host.stop()
@@ -69,6 +79,25 @@ class RouterActor:
     def ready(self) -> bool:
         """True once every role the mode needs has a live worker."""
         return self.router.is_ready()
+
+    def view(self) -> dict:
+        return self._on_loop(self._async(self.router.view))
+
+    def add_worker(self, endpoint: dict) -> None:
+        from router.worker_pool import WorkerEndpoint
+
+        self._on_loop(self._async(self.router.add_worker, WorkerEndpoint(**endpoint)))
+
+    def drain_worker(self, worker_id: str, timeout_s: float) -> int:
+        return self._on_loop(self.router.drain_worker(worker_id, timeout_s), timeout_s + 10)
+
+    @staticmethod
+    async def _async(fn, *args):
+        return fn(*args)
+
+    def _on_loop(self, coro, timeout_s: float = 30.0):
+        """Runs `coro` on the router's event loop (its sockets and tables live there)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def stop(self) -> None:
         if self.http is not None:

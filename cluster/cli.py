@@ -8,8 +8,8 @@
 
     pdserve bench --address 127.0.0.1:50051 --workload mixed --rates 1,2   # load-test a router
     pdserve bench compare a.yaml b.yaml --workload mixed                 # each config in turn, ratios
-
-Sub-commands arrive with their issues (`scale`, `status`).
+    pdserve status configs/local.yaml                   # pools, workers, nodes, health, queues, KV
+    pdserve scale configs/local.yaml --decode 2         # resize pools of a running cluster
 """
 
 from __future__ import annotations
@@ -76,8 +76,11 @@ def _cmd_model_build(args: argparse.Namespace) -> int:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
     from cluster import launcher
+    from cluster.control import ControlServer
+    from cluster.pools import PoolManager
     from configs import load_cluster_config
 
     config = load_cluster_config(args.config)
@@ -87,8 +90,25 @@ def _cmd_up(args: argparse.Namespace) -> int:
                          f"run 'pdserve down {args.config}' first")
     cluster = launcher.up(config, timeout_s=args.timeout, say=lambda line: print(line, flush=True))
     state = launcher.write_state(args.config, cluster)
-    targets = launcher.write_metrics_targets(args.config, config)
+
+    def write_targets() -> Path:
+        with cluster.lock:
+            indices = [(slot.role, slot.index) for slot in cluster.slots.values()]
+        return launcher.write_metrics_targets(args.config, config, indices)
+
+    targets = write_targets()
     print(f"pdserve: Prometheus targets (file_sd) in {targets}", flush=True)
+    pools = PoolManager(cluster, start_timeout_s=args.timeout, on_change=write_targets)
+    control = ControlServer(pools, f"{config.router.host}:{config.router.control_port}")
+    supervising = threading.Event()
+    try:
+        control.start()
+        pools.supervise(supervising)
+    except BaseException:
+        cluster.shutdown()
+        state.unlink(missing_ok=True)
+        targets.unlink(missing_ok=True)
+        raise
     # SIGTERM (what `pdserve down` sends) ends the cluster like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     print(f"pdserve: cluster up, gRPC at {cluster.grpc_address}; Ctrl-C or 'pdserve down {args.config}' stops it",
@@ -99,6 +119,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("pdserve: stopping the cluster ...", flush=True)
     finally:
+        supervising.set()
+        control.close()
         cluster.shutdown()
         state.unlink(missing_ok=True)
         targets.unlink(missing_ok=True)
@@ -135,6 +157,71 @@ def _cmd_down(args: argparse.Namespace) -> int:
             return 1
         time.sleep(0.2)
     print("pdserve: cluster stopped")
+    return 0
+
+
+def _control(config_path: str, request: dict, timeout_s: float) -> dict:
+    """One request to the `up` process of CONFIG's cluster; exits with the reason on failure."""
+    from cluster import launcher
+    from cluster.control import control_request
+    from configs import load_cluster_config
+
+    config = load_cluster_config(config_path)
+    state = launcher.read_state(config_path)
+    if state is None or not _pid_alive(state["pid"]):
+        raise SystemExit(f"pdserve: no running cluster for {config_path} (start it with 'pdserve up {config_path}')")
+    host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
+    try:
+        reply = control_request(f"{host}:{config.router.control_port}", request, timeout_s)
+    except TimeoutError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+    if not reply.get("ok"):
+        raise SystemExit(f"pdserve: {reply.get('error')}")
+    return reply
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    status = _control(args.config, {"op": "status"}, args.timeout)["status"]
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    print(f"{status['mode']} cluster, gRPC {status['grpc_address']}, "
+          f"{'ready' if status['ready'] else 'NOT READY'}, {status['requests_in_flight']} requests in flight")
+    for role, pool in status["pools"].items():
+        print(f"  {role}: {pool['workers']} workers (target {pool['target']}, max {pool['max_workers']}), "
+              f"TP={pool['tensor_parallel_size']} PP={pool['pipeline_parallel_size']}")
+    print(f"  {'worker':<12} {'node':<10} {'health':<9} {'in flight':>9} {'running':>7} {'waiting':>7} "
+          f"{'queued tok':>10} {'KV used/total':>14}  placement")
+    for w in status["workers"]:
+        health = "draining" if w.get("draining") else "healthy" if w.get("healthy") else "DOWN"
+        pages = w.get("kv_pages") or {}
+        kv = f"{pages.get('referenced', '?')}/{pages.get('num_pages', '?')}"
+        placement = "-"
+        if w.get("placement"):
+            nodes = {n[:8] for n in w["placement"]["bundle_nodes"]}
+            placement = f"{w['placement']['strategy']} x{len(w['placement']['bundles'])} on {', '.join(sorted(nodes))}"
+        print(f"  {w['worker_id']:<12} {str(w.get('node_id', '?'))[:8]:<10} {health:<9} {w.get('in_flight', 0):>9} "
+              f"{w.get('running', '?'):>7} {w.get('waiting', '?'):>7} {str(w.get('queued_tokens', '?')):>10} "
+              f"{kv:>14}  {placement}" + (f"  error: {w['error']}" if w.get("error") else ""))
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    sizes = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode),
+                                     ("colocated", args.colocated)) if n is not None}
+    if not sizes:
+        raise SystemExit("pdserve: give at least one of --prefill N, --decode N, --colocated N")
+    reply = _control(args.config, {"op": "scale", "sizes": sizes, "drain_timeout_s": args.drain_timeout},
+                     args.drain_timeout * len(sizes) + args.timeout)
+    for change in reply["changes"]:
+        removed = [r["worker_id"] + (f" ({r['cut_off_requests']} requests cut off at the drain timeout)"
+                                     if r["cut_off_requests"] else "") for r in change["removed"]]
+        print(f"pdserve: {change['role']}: {change['size']} workers"
+              + (f"; added {', '.join(change['added'])}" if change["added"] else "")
+              + (f"; drained and removed {', '.join(removed)}" if removed else "")
+              + ("" if change["added"] or removed else " (unchanged)"))
     return 0
 
 
@@ -341,6 +428,24 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop (default 60)")
     down.set_defaults(func=_cmd_down)
 
+    st = sub.add_parser("status", help="pools and workers of a running cluster: nodes, placement, health, queues, KV")
+    st.add_argument("config", help="the YAML given to 'pdserve up'")
+    st.add_argument("--json", action="store_true", help="the whole report as JSON")
+    st.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer (default 30)")
+    st.set_defaults(func=_cmd_status)
+    sc = sub.add_parser(
+        "scale", help="resize pools of a running cluster",
+        description="Resize pools of the cluster 'pdserve up CONFIG' runs. New workers take traffic once healthy; "
+        "removed ones are drained first (no new requests; those in flight finish, up to --drain-timeout). "
+        "A pool may grow up to its max_workers (config), whose ports are reserved.")
+    sc.add_argument("config", help="the YAML given to 'pdserve up'")
+    sc.add_argument("--prefill", type=int, help="prefill workers wanted")
+    sc.add_argument("--decode", type=int, help="decode workers wanted")
+    sc.add_argument("--colocated", type=int, help="colocated workers wanted")
+    sc.add_argument("--drain-timeout", type=float, default=60.0,
+                    help="seconds a removed worker's requests may take to finish (default 60)")
+    sc.add_argument("--timeout", type=float, default=300.0, help="seconds new workers may take to start (default 300)")
+    sc.set_defaults(func=_cmd_scale)
     gen = sub.add_parser("generate", help="send one prompt to a running cluster's router and stream the reply")
     gen.add_argument("prompt", help="prompt text")
     where = gen.add_mutually_exclusive_group()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.placement import PlacedGroup, place_worker_group
+from cluster.worker_launch import WorkerSlot, start_worker, worker_host
 from configs import ClusterConfig
 
 RUN_DIR_ENV = "PDSERVE_RUN_DIR"
@@ -35,27 +36,35 @@ def state_file(config_path: str | Path) -> Path:
 class RunningCluster:
     config: ClusterConfig
     router: object  # RouterActor handle
-    workers: dict[str, object]  # worker_id -> WorkerActor handle
+    slots: dict[str, WorkerSlot]  # worker_id -> its actors; changed by cluster/pools.py under `lock`
     grpc_address: str
     owns_ray: bool
-    shards: dict[str, list[object]] = field(default_factory=dict)  # worker_id -> ShardActor handles (ranks 1..)
-    groups: dict[str, PlacedGroup] = field(default_factory=dict)  # worker_id -> its placement group
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def workers(self) -> dict[str, object]:
+        """worker_id -> WorkerActor handle."""
+        return {wid: slot.actor for wid, slot in self.slots.items()}
 
     def page_stats(self) -> dict[str, dict[str, int]]:
         import ray
 
-        return dict(zip(self.workers, ray.get([w.page_stats.remote() for w in self.workers.values()])))
+        with self.lock:
+            workers = self.workers
+        return dict(zip(workers, ray.get([w.page_stats.remote() for w in workers.values()])))
 
     def shutdown(self) -> None:
         import ray
 
-        for actor in [self.router, *self.workers.values()]:
+        with self.lock:
             try:
-                ray.get(actor.stop.remote(), timeout=10)
+                ray.get(self.router.stop.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - the actor may already be gone; kill regardless
                 pass
-            ray.kill(actor)
-        _release_groups(self.shards, self.groups)
+            ray.kill(self.router)
+            for slot in self.slots.values():
+                slot.stop()
+            self.slots.clear()
         if self.owns_ray:
             ray.shutdown()
 
@@ -78,59 +87,30 @@ def _init_ray(config: ClusterConfig) -> bool:
 def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningCluster:
     import ray
 
-    from cluster.actors import RouterActor, WorkerActor
-    from cluster.shard_actor import ShardActor
+    from cluster.actors import RouterActor
 
     owns_ray = _init_ray(config)
-    host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
-    event_address = f"{host}:{config.router.worker_event_port}"
-    workers: dict[str, object] = {}
-    shards: dict[str, list[object]] = {}
-    groups: dict[str, PlacedGroup] = {}
-    endpoints = []
-    ranks = config.kv_dist_ranks()
+    host = worker_host(config)
+    slots: dict[str, WorkerSlot] = {}
     try:
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(config, role)
-            if pool is None:
-                continue
-            engine = config.engine_config(pool).model_dump()
-            for i in range(pool.num_workers):
-                worker_id = f"{role}-{i}"
-                kv = {"kv_port": pool.kv_base_port + i if role == "decode" else None,
-                      "kv_checksum": config.kv_transfer.checksum, "kv_transport": config.kv_transfer.transport}
-                if config.kv_transfer.transport == "torch_dist" and role != "colocated":
-                    kv.update(dist_rank=ranks[worker_id], dist_world_size=len(ranks),
-                              dist_store_address=f"{host}:{config.kv_transfer.dist_port}")
-                metrics = None
-                if pool.metrics_base_port is not None:
-                    metrics = {"port": pool.metrics_base_port + i, "peak_tflops": pool.peak_tflops,
-                               "peak_memory_bandwidth_gbps": pool.peak_memory_bandwidth_gbps}
-                placement = {}
-                if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each
-                    groups[worker_id] = place_worker_group(pool, worker_id, timeout_s)
-                    kv["shard_store_address"] = f"{host}:{pool.shard_base_port + i}"
-                    placement = {"scheduling_strategy": groups[worker_id].strategy(0)}
-                    shards[worker_id] = [ShardActor.options(
-                        name=f"pdserve-{worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
-                        num_gpus=pool.num_gpus_per_worker, scheduling_strategy=groups[worker_id].strategy(rank),
-                    ).remote(worker_id, rank, engine, kv["shard_store_address"]) for rank in range(1, pool.engine.world_size)]
-                workers[worker_id] = WorkerActor.options(
-                    name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
-                    **placement,
-                ).remote(role, worker_id, engine, host, pool.base_port + i, event_address, kv, metrics,
-                         config.logging.model_dump())
-                endpoints.append({"worker_id": worker_id, "role": role, "command_address": f"{host}:{pool.base_port + i}"})
-        _wait(workers, "ready", timeout_s, say)
+            for i in range(pool.num_workers if pool is not None else 0):
+                slot = start_worker(config, role, i, timeout_s)
+                slots[slot.worker_id] = slot
+        wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say)
         router_kwargs = {
-            "endpoints": endpoints, "event_address": f"{config.router.host}:{config.router.worker_event_port}",
+            "endpoints": [slot.endpoint() for slot in slots.values()],
+            "event_address": f"{config.router.host}:{config.router.worker_event_port}",
             "mode": config.mode, "policy": config.router.policy,
             "max_queued_requests": config.router.max_queued_requests,
             "kv_timeout_s": config.kv_transfer.timeout_s, "lease_s": config.kv_transfer.reservation_lease_s,
             "slo_ttft_ms": config.router.slo_ttft_ms, "slo_tpot_ms": config.router.slo_tpot_ms,
-            "slo_window_s": config.router.slo_window_s,
+            "slo_window_s": config.router.slo_window_s, "max_attempts": config.router.max_attempts,
+            "retry_wait_s": config.router.retry_wait_s, "heartbeat_timeout_s": config.router.heartbeat_timeout_s,
         }
-        router = RouterActor.options(name="pdserve-router", num_cpus=0).remote(
+        # Several calls at once: a drain (`pdserve scale`) waits on the router while status reads it.
+        router = RouterActor.options(name="pdserve-router", num_cpus=0, max_concurrency=8).remote(
             config.model, None, router_kwargs, config.router.host, config.router.grpc_port, config.router.http_port,
             config.logging.model_dump())
         deadline = time.monotonic() + timeout_s
@@ -142,31 +122,19 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
         say(f"router: serving gRPC on {host}:{config.router.grpc_port}"
             + (f", OpenAI-compatible HTTP on {host}:{config.router.http_port}" if config.router.http_port else ""))
     except BaseException:
-        for actor in workers.values():
-            ray.kill(actor)
-        _release_groups(shards, groups)
+        for slot in slots.values():
+            slot.kill()
         if owns_ray:
             ray.shutdown()
         raise
-    return RunningCluster(config, router, workers, f"{host}:{config.router.grpc_port}", owns_ray, shards, groups)
+    return RunningCluster(config, router, slots, f"{host}:{config.router.grpc_port}", owns_ray)
 
 
-def _release_groups(shards: dict[str, list[object]], groups: dict[str, PlacedGroup]) -> None:
-    """Ends follower ranks (after their driver sent STOP, or not) and frees their bundles."""
+def wait_ready(actors: dict[str, object], timeout_s: float, say) -> None:
+    """Waits for every actor's `ready`, naming the ones that failed or never got placed."""
     import ray
 
-    for actors in shards.values():
-        for actor in actors:
-            ray.kill(actor)
-    for group in groups.values():
-        group.remove()
-
-
-def _wait(actors: dict[str, object], method: str, timeout_s: float, say) -> None:
-    """Waits for every actor's `method`, naming the ones that failed or never got placed."""
-    import ray
-
-    pending = {getattr(actor, method).remote(): name for name, actor in actors.items()}
+    pending = {actor.ready.remote(): name for name, actor in actors.items()}
     deadline = time.monotonic() + timeout_s
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -190,29 +158,36 @@ def write_state(config_path: str | Path, cluster: RunningCluster) -> Path:
     return path
 
 
-def metrics_targets(config: ClusterConfig) -> list[dict]:
+def metrics_targets(config: ClusterConfig, workers: list[tuple[str, int]] | None = None) -> list[dict]:
     """Prometheus file_sd entries: the router's HTTP port (its /metrics) and every worker's
-    metrics port, each labelled with what it is."""
-    host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
+    metrics port, each labelled with what it is. `workers`: (role, index) of the running
+    workers; None = those the config starts with."""
+    host = worker_host(config)
+    if workers is None:
+        workers = [(role, i) for role in ("prefill", "decode", "colocated") if getattr(config, role) is not None
+                   for i in range(getattr(config, role).num_workers)]
     targets = []
     if config.router.http_port is not None:
         targets.append({"targets": [f"{host}:{config.router.http_port}"],
                         "labels": {"job": "pdserve-router", "component": "router"}})
-    for role in ("prefill", "decode", "colocated"):
+    roles = ("prefill", "decode", "colocated")
+    for role, i in sorted(workers, key=lambda w: (roles.index(w[0]), w[1])):
         pool = getattr(config, role)
-        if pool is None or pool.metrics_base_port is None:
-            continue
-        for i in range(pool.num_workers):
+        if pool.metrics_base_port is not None:
             targets.append({"targets": [f"{host}:{pool.metrics_base_port + i}"],
-                            "labels": {"job": "pdserve-worker", "component": role}})
+                            "labels": {"job": "pdserve-worker", "component": role, "worker_id": f"{role}-{i}"}})
     return targets
 
 
-def write_metrics_targets(config_path: str | Path, config: ClusterConfig) -> Path:
-    """Writes `metrics_targets` where a Prometheus `file_sd_configs` entry can watch it."""
+def write_metrics_targets(config_path: str | Path, config: ClusterConfig,
+                          workers: list[tuple[str, int]] | None = None) -> Path:
+    """Writes `metrics_targets` where a Prometheus `file_sd_configs` entry can watch it (again
+    after every resize: Prometheus re-reads the file)."""
     path = state_file(config_path).with_suffix(".prometheus.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metrics_targets(config), indent=1))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(metrics_targets(config, workers), indent=1))
+    tmp.replace(path)  # atomic: a scraper never reads half a file
     return path
 
 

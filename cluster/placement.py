@@ -24,6 +24,15 @@ class PlacedGroup:
 
         return PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
 
+    def describe(self) -> dict:
+        """For `pdserve status`: the group's strategy, bundles and the node of each bundle."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self.placement_group)
+        return {"name": table.get("name"), "strategy": table.get("strategy"), "state": table.get("state"),
+                "bundles": list(table.get("bundles", {}).values()),
+                "bundle_nodes": list(table.get("bundles_to_node_id", {}).values())}
+
     def remove(self) -> None:
         from ray.util import remove_placement_group
 

@@ -32,10 +32,18 @@ class RouterConfig(_Strict):
     slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token target; None = no target")
     slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token target; None = no target")
     slo_window_s: float = Field(60.0, gt=0, description="SLO attainment gauge covers requests finished this recently")
+    # Failures: a worker silent this long is dead to the router; a request it held is retried.
+    heartbeat_timeout_s: float = Field(3.0, gt=0, description="no heartbeat this long = the worker is dead")
+    max_attempts: int = Field(3, ge=1, description="tries per request when workers die under it (1 = no retry)")
+    retry_wait_s: float = Field(10.0, ge=0, description="a retry waits this long for a healthy worker to appear")
+    control_port: int = Field(52001, ge=1, le=65535,
+                              description="the `up` process answers `pdserve status` / `pdserve scale` here")
 
 
 class PoolConfig(_Strict):
-    num_workers: int = Field(1, ge=1)
+    num_workers: int = Field(1, ge=1, description="workers at start; the supervisor replaces dead ones to keep the count")
+    max_workers: int | None = Field(
+        None, ge=1, description="`pdserve scale` may grow the pool to this many (ports reserved); None = num_workers")
     # Per process: a worker with engine.tensor_parallel_size x pipeline_parallel_size shards
     # asks this much for each shard (one placement-group bundle per shard).
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker process (per shard)")
@@ -55,8 +63,15 @@ class PoolConfig(_Strict):
     peak_tflops: float | None = Field(None, gt=0, description="dense TFLOP/s per worker, in the engine's dtype")
     engine: EngineSettings = EngineSettings()
 
+    @property
+    def worker_limit(self) -> int:
+        """The most workers this pool may have (ports are reserved for that many)."""
+        return self.max_workers if self.max_workers is not None else self.num_workers
+
     @model_validator(mode="after")
     def _check_sharding(self) -> "PoolConfig":
+        if self.max_workers is not None and self.max_workers < self.num_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) is below num_workers ({self.num_workers})")
         e = self.engine
         if e.world_size > 1 and self.shard_base_port is None:
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {e.world_size} needs shard_base_port: "
@@ -125,15 +140,18 @@ class ClusterConfig(_Strict):
         if self.router.worker_event_port in used:
             raise ValueError(f"router.worker_event_port {self.router.worker_event_port} is also router.grpc_port")
         used[self.router.worker_event_port] = "router.worker_event_port"
+        if self.router.control_port in used:
+            raise ValueError(f"router.control_port {self.router.control_port} is also {used[self.router.control_port]}")
+        used[self.router.control_port] = "router.control_port"
         if self.mode == "disaggregated" and self.kv_transfer.transport == "torch_dist":
             if self.kv_transfer.dist_port in used:
                 raise ValueError(f"kv_transfer.dist_port {self.kv_transfer.dist_port} is also "
                                  f"{used[self.kv_transfer.dist_port]}")
             used[self.kv_transfer.dist_port] = "kv_transfer.dist_port"
         if self.router.http_port is not None:
-            used.setdefault(self.router.http_port, "router.http_port")
-            if used[self.router.http_port] != "router.http_port":
-                raise ValueError(f"router.http_port {self.router.http_port} is also router.grpc_port")
+            if self.router.http_port in used:
+                raise ValueError(f"router.http_port {self.router.http_port} is also {used[self.router.http_port]}")
+            used[self.router.http_port] = "router.http_port"
         for name in ("prefill", "decode", "colocated"):
             pool: PoolConfig | None = getattr(self, name)
             if pool is None:
@@ -148,11 +166,12 @@ class ClusterConfig(_Strict):
             suffix = {"base_port": "", "kv_base_port": " KV", "metrics_base_port": " metrics",
                       "shard_base_port": " shard group"}
             for field_name, base in bases:
-                for i in range(pool.num_workers):
+                for i in range(pool.worker_limit):
                     port = base + i
                     what = f"{name} worker {i}{suffix[field_name]}"
                     if port > 65535:
-                        raise ValueError(f"{name}.{field_name} + num_workers runs past port 65535")
+                        raise ValueError(f"{name}.{field_name} + {'max_workers' if pool.max_workers else 'num_workers'} "
+                                         "runs past port 65535")
                     if port in used:
                         raise ValueError(f"port {port} of {what} is also {used[port]}")
                     used[port] = what

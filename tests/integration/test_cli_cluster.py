@@ -12,12 +12,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
 from cluster.local_cluster import free_port
+from tests.helpers import hf_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,7 +28,8 @@ def write_config(tmp_path: Path, mode: str, transport: str = "zmq", engines: dic
                  **pool_extra) -> Path:
     """`engines`: per-role engine keys (e.g. TP/PP sizes); `pool_extra`: keys for every pool."""
     cfg = yaml.safe_load((REPO / "configs" / ("local.yaml" if mode == "disaggregated" else "colocated.yaml")).read_text())
-    cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port(), http_port=free_port())
+    cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port(), http_port=free_port(),
+                         control_port=free_port())
     cfg["logging"] = {"format": "json"}
     if mode == "disaggregated":
         cfg["kv_transfer"].update(transport=transport, dist_port=free_port())
@@ -51,7 +54,6 @@ def concurrent_mix_matches_hf(port: int, hf_model) -> None:
 
     from proto import pdserve_pb2 as pb
     from proto import pdserve_pb2_grpc
-    from tests.helpers import hf_greedy
 
     base = [0] + list(range(500, 560))
     prompts = [base, base[:33] + [7, 7], [0, 9], list(range(3, 40))]
@@ -147,6 +149,95 @@ def test_sharded_pools_prefill_tp2_to_decode_pp2(tmp_path, hf_tiny):
     up = start_up(tmp_path, config)
     try:
         concurrent_mix_matches_hf(yaml.safe_load(config.read_text())["router"]["grpc_port"], hf_tiny)
+        down = pdserve("down", str(config), tmp_path=tmp_path)
+        assert down.returncode == 0, down.stderr
+        assert up.wait(timeout=60) == 0
+    finally:
+        stop_up(up)
+
+
+def status(config: Path, tmp_path: Path) -> dict:
+    proc = pdserve("status", str(config), "--json", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 90.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return value
+
+
+def test_status_scale_and_replacement(tmp_path, hf_tiny):
+    """`pdserve scale` adds a decode worker that takes traffic and drains it away again without
+    failing the request it serves; a decode worker whose process is killed is replaced at its
+    index while the request it held is resumed elsewhere; `pdserve status` shows it all."""
+    import grpc
+
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc
+
+    config = write_config(tmp_path, "disaggregated", num_cpus_per_worker=0.25)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["decode"]["max_workers"] = 2
+    cfg["router"].update(heartbeat_timeout_s=1.0, retry_wait_s=90.0)  # a retry may wait for the replacement
+    config.write_text(yaml.safe_dump(cfg))
+    port = cfg["router"]["grpc_port"]
+    up = start_up(tmp_path, config)
+    try:
+        st = status(config, tmp_path)
+        assert st["ready"] and st["pools"]["decode"] == {"workers": 1, "target": 1, "max_workers": 2,
+                                                         "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+        assert [(w["worker_id"], w["healthy"]) for w in st["workers"]] == [("prefill-0", True), ("decode-0", True)]
+        too_many = pdserve("scale", str(config), "--decode", "3", tmp_path=tmp_path)
+        assert too_many.returncode == 1 and "outside 1..2" in too_many.stderr and "decode.max_workers" in too_many.stderr
+
+        grow = pdserve("scale", str(config), "--decode", "2", tmp_path=tmp_path, timeout=300)
+        assert grow.returncode == 0, grow.stderr
+        assert "decode: 2 workers; added decode-1" in grow.stdout
+        wait_for(lambda: all(w["healthy"] for w in status(config, tmp_path)["workers"]), "decode-1 healthy")
+        concurrent_mix_matches_hf(port, hf_tiny)
+        cached = {w["worker_id"]: w["kv_pages"]["cached"] for w in status(config, tmp_path)["workers"]}
+        assert cached["decode-1"] > 0, cached  # the new worker took traffic (its prefix cache kept the pages)
+        targets = json.loads(next((tmp_path / "run").glob("*.prometheus.json")).read_text())
+        assert "decode-1" in {t["labels"].get("worker_id") for t in targets}
+
+        # Shrink while long requests stream: decode-1 is drained, its requests finish normally.
+        prompts = [[0] + list(range(700 + 20 * k, 720 + 20 * k)) for k in range(4)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, ThreadPoolExecutor(4) as pool:
+            stub = pdserve_pb2_grpc.GenerationStub(channel)
+
+            def stream(stub, p):
+                req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=p),
+                                         sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True))
+                return [t for r in stub.Generate(req, timeout=120) for t in r.token_ids]
+
+            futures = [pool.submit(stream, stub, p) for p in prompts]
+            time.sleep(1.0)
+            shrink = pdserve("scale", str(config), "--decode", "1", tmp_path=tmp_path, timeout=300)
+            assert shrink.returncode == 0, shrink.stderr
+            assert "drained and removed decode-1" in shrink.stdout and "cut off" not in shrink.stdout
+            for p, f in zip(prompts, futures):
+                assert f.result() == hf_greedy(hf_tiny, p, 40)[0]
+        st = status(config, tmp_path)
+        assert [w["worker_id"] for w in st["workers"]] == ["prefill-0", "decode-0"]
+
+        # Kill decode-0's process mid-stream: the supervisor starts a new one at the same index.
+        old_pid = st["workers"][1].get("pid")
+        assert old_pid, st
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, ThreadPoolExecutor(1) as pool:
+            stub = pdserve_pb2_grpc.GenerationStub(channel)
+            future = pool.submit(stream, stub, prompts[0])
+            time.sleep(1.5)
+            os.kill(old_pid, signal.SIGKILL)
+            assert future.result() == hf_greedy(hf_tiny, prompts[0], 40)[0]  # resumed on the replacement
+        fresh = wait_for(lambda: next((w for w in status(config, tmp_path)["workers"]
+                                       if w["worker_id"] == "decode-0" and w.get("healthy") and w.get("pid") not in (None, old_pid)),
+                                      None), "decode-0 replaced")
+        assert fresh["pid"] != old_pid
+        concurrent_mix_matches_hf(port, hf_tiny)
         down = pdserve("down", str(config), tmp_path=tmp_path)
         assert down.returncode == 0, down.stderr
         assert up.wait(timeout=60) == 0

@@ -73,9 +73,12 @@ def test_file_sd_targets_cover_router_and_every_worker(tmp_path):
                decode__metrics_base_port=53200)
     assert metrics_targets(cfg) == [
         {"targets": ["127.0.0.1:8000"], "labels": {"job": "pdserve-router", "component": "router"}},
-        {"targets": ["127.0.0.1:53100"], "labels": {"job": "pdserve-worker", "component": "prefill"}},
-        {"targets": ["127.0.0.1:53101"], "labels": {"job": "pdserve-worker", "component": "prefill"}},
-        {"targets": ["127.0.0.1:53200"], "labels": {"job": "pdserve-worker", "component": "decode"}},
+        {"targets": ["127.0.0.1:53100"], "labels": {"job": "pdserve-worker", "component": "prefill",
+                                                    "worker_id": "prefill-0"}},
+        {"targets": ["127.0.0.1:53101"], "labels": {"job": "pdserve-worker", "component": "prefill",
+                                                    "worker_id": "prefill-1"}},
+        {"targets": ["127.0.0.1:53200"], "labels": {"job": "pdserve-worker", "component": "decode",
+                                                    "worker_id": "decode-0"}},
     ]
     assert metrics_targets(load(tmp_path)) == []  # nothing serves metrics
 

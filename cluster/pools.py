@@ -1,0 +1,190 @@
+"""Changing a running cluster's pools: `pdserve scale`, the supervisor that replaces dead
+workers, and the `pdserve status` report. Runs in the `pdserve up` process, which owns every
+actor (cluster/control.py brings the requests in).
+
+Adding a worker: start its actors at the lowest free index (its ports), wait until it is
+ready, then tell the router, which routes to it once its heartbeats arrive. Removing one: the
+router drains it (no new requests; those it holds finish, up to a timeout), forgets it, then
+its actors stop and its placement group is freed. A worker whose actor died (or whose serving
+loop ended) is killed and started again at the same index and ports, so the router's endpoint
+for it comes back by itself; requests it held were already retried elsewhere (router/journey.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from cluster.launcher import RunningCluster, wait_ready
+from cluster.worker_launch import start_worker
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "colocated")
+
+
+class ScaleError(ValueError):
+    """A resize that cannot be done; the message says why."""
+
+
+class PoolManager:
+    def __init__(self, cluster: RunningCluster, start_timeout_s: float = 180.0, on_change=None) -> None:
+        """`on_change()`: called after the set of workers changed (rewrite the metrics targets)."""
+        self.cluster = cluster
+        self.start_timeout_s = start_timeout_s
+        self.on_change = on_change or (lambda: None)
+        self.targets = {role: len(self._indices(role)) for role in ROLES}
+
+    def _indices(self, role: str) -> list[int]:
+        return sorted(slot.index for slot in self.cluster.slots.values() if slot.role == role)
+
+    # -- scale ----------------------------------------------------------------------------------
+    def scale(self, role: str, size: int, drain_timeout_s: float = 60.0, say=log.info) -> dict:
+        """Grows or shrinks `role`'s pool to `size` workers; returns what was added and removed."""
+        import ray
+
+        config = self.cluster.config
+        pool = getattr(config, role, None) if role in ROLES else None
+        if pool is None:
+            raise ScaleError(f"this cluster has no {role!r} pool (mode {config.mode})")
+        if config.kv_transfer.transport == "torch_dist" and role != "colocated":
+            raise ScaleError("the torch_dist KV transport joins one fixed process group at start-up; "
+                             "pools can be resized with kv_transfer.transport: zmq")
+        if not 1 <= size <= pool.worker_limit:
+            raise ScaleError(f"{role}: {size} workers is outside 1..{pool.worker_limit} "
+                             f"(raise {role}.max_workers in the config to allow more)")
+        added, removed = [], []
+        with self.cluster.lock:
+            self.targets[role] = size
+            indices = self._indices(role)
+            new = [i for i in range(pool.worker_limit) if i not in indices][: max(0, size - len(indices))]
+            slots = [start_worker(config, role, i, self.start_timeout_s) for i in new]
+            try:
+                wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say)
+            except BaseException:
+                for s in slots:
+                    s.kill()
+                raise
+            for s in slots:
+                self.cluster.slots[s.worker_id] = s
+                ray.get(self.cluster.router.add_worker.remote(s.endpoint()), timeout=30)
+                added.append(s.worker_id)
+            for i in sorted(indices, reverse=True)[: max(0, len(indices) - size)]:
+                slot = self.cluster.slots[f"{role}-{i}"]
+                say(f"{slot.worker_id}: draining")
+                left = ray.get(self.cluster.router.drain_worker.remote(slot.worker_id, drain_timeout_s),
+                               timeout=drain_timeout_s + 30)
+                slot.stop()
+                del self.cluster.slots[slot.worker_id]
+                removed.append({"worker_id": slot.worker_id, "cut_off_requests": left})
+        if added or removed:
+            self.on_change()
+        return {"role": role, "size": size, "added": added, "removed": removed}
+
+    # -- supervision ----------------------------------------------------------------------------
+    def replace_dead(self, say=log.warning) -> list[str]:
+        """Kills and restarts every worker whose actor is gone or whose loop has stopped."""
+        import ray
+
+        replaced = []
+        with self.cluster.lock:
+            slots = list(self.cluster.slots.values())
+            alive = [slot.actor.alive.remote() for slot in slots]
+            for slot, ref in zip(slots, alive):
+                try:
+                    if ray.get(ref, timeout=30):
+                        continue
+                    why = "its serving loop stopped"
+                except ray.exceptions.GetTimeoutError:
+                    continue  # busy (a long step), not dead: the router's heartbeats decide meanwhile
+                except ray.exceptions.RayError as exc:
+                    why = f"its actor died ({type(exc).__name__})"
+                if self.cluster.config.kv_transfer.transport == "torch_dist" and slot.role != "colocated":
+                    say(f"{slot.worker_id}: {why}; not replaced (torch_dist KV transport: fixed process group)")
+                    continue
+                say(f"{slot.worker_id}: {why}; starting a replacement")
+                slot.kill()
+                fresh = start_worker(self.cluster.config, slot.role, slot.index, self.start_timeout_s)
+                try:
+                    wait_ready({fresh.worker_id: fresh.actor}, self.start_timeout_s, say)
+                except BaseException as exc:  # noqa: BLE001 - try again on the next round
+                    fresh.kill()
+                    del self.cluster.slots[slot.worker_id]
+                    say(f"{slot.worker_id}: replacement failed ({exc}); will retry")
+                    continue
+                self.cluster.slots[slot.worker_id] = fresh
+                replaced.append(slot.worker_id)
+            replaced += self._restart_missing(say)
+        if replaced:
+            self.on_change()
+        return replaced
+
+    def _restart_missing(self, say) -> list[str]:
+        """Brings each pool back to its target size after a replacement that failed to start."""
+        started = []
+        for role in ROLES:
+            pool = getattr(self.cluster.config, role, None)
+            indices = self._indices(role)
+            if pool is None or len(indices) >= self.targets[role]:
+                continue
+            for i in [i for i in range(pool.worker_limit) if i not in indices][: self.targets[role] - len(indices)]:
+                fresh = start_worker(self.cluster.config, role, i, self.start_timeout_s)
+                try:
+                    wait_ready({fresh.worker_id: fresh.actor}, self.start_timeout_s, say)
+                except BaseException as exc:  # noqa: BLE001 - try again on the next round
+                    fresh.kill()
+                    say(f"{fresh.worker_id}: start failed ({exc}); will retry")
+                    continue
+                self.cluster.slots[fresh.worker_id] = fresh
+                started.append(fresh.worker_id)
+        return started
+
+    def supervise(self, stop: threading.Event, every_s: float = 2.0) -> threading.Thread:
+        """Runs `replace_dead` every `every_s` on a thread until `stop` is set."""
+        def loop() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.replace_dead()
+                except Exception:  # noqa: BLE001 - supervision must outlive one bad round
+                    log.exception("supervisor round failed")
+
+        thread = threading.Thread(target=loop, name="pdserve-supervisor", daemon=True)
+        thread.start()
+        return thread
+
+    # -- status ---------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """Pools, workers (node, placement, health, queue, KV usage) as the router and the actors see them."""
+        import ray
+
+        with self.cluster.lock:
+            slots = dict(self.cluster.slots)
+        router = ray.get(self.cluster.router.view.remote(), timeout=30)
+        seen = {w["worker_id"]: w for w in router["workers"]}
+        states = {}
+        for wid, slot in slots.items():
+            try:
+                states[wid] = ray.get(slot.actor.state.remote(), timeout=10)
+            except Exception as exc:  # noqa: BLE001 - shown as the worker's state
+                states[wid] = {"error": f"{type(exc).__name__}: {exc}"}
+        workers = []
+        for wid, slot in sorted(slots.items(), key=lambda kv: (ROLES.index(kv[1].role), kv[1].index)):
+            shards = []
+            for actor in slot.shards:
+                try:
+                    shards.append(ray.get(actor.state.remote(), timeout=10))
+                except Exception as exc:  # noqa: BLE001
+                    shards.append({"error": f"{type(exc).__name__}: {exc}"})
+            workers.append({**seen.get(wid, {"worker_id": wid, "role": slot.role}), **states[wid],
+                            "placement": None if slot.group is None else slot.group.describe(), "shards": shards})
+        pools = {}
+        for role in ROLES:
+            pool = getattr(self.cluster.config, role, None)
+            if pool is not None:
+                pools[role] = {"workers": len(self._indices(role)), "target": self.targets[role],
+                               "max_workers": pool.worker_limit,
+                               "tensor_parallel_size": pool.engine.tensor_parallel_size,
+                               "pipeline_parallel_size": pool.engine.pipeline_parallel_size}
+        return {"mode": self.cluster.config.mode, "grpc_address": self.cluster.grpc_address,
+                "ready": router["ready"], "requests_in_flight": router["in_flight"], "pools": pools,
+                "workers": workers, "time": time.time()}

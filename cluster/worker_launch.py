@@ -1,0 +1,90 @@
+"""Starting and ending one worker's Ray actors: what `pdserve up` does for each worker at start,
+`pdserve scale` for each worker it adds, and the supervisor for each worker it replaces.
+
+Worker `<role>-<i>` always takes the ports of index i (base_port + i, kv_base_port + i, ...),
+so a replacement comes back at the address the router already knows. A TP x PP worker is a
+placement group (cluster/placement.py): the WorkerActor (rank 0) in bundle 0, a ShardActor per
+follower rank after it. `WorkerSlot.kill` ends all of it and frees the bundles; it is the one
+owner of those resources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.placement import PlacedGroup, place_worker_group
+from configs import ClusterConfig
+
+
+@dataclass
+class WorkerSlot:
+    worker_id: str
+    role: str
+    index: int
+    actor: object  # WorkerActor handle
+    command_address: str
+    shards: list[object] = field(default_factory=list)  # ShardActor handles, ranks 1..
+    group: PlacedGroup | None = None
+
+    def endpoint(self) -> dict:
+        return {"worker_id": self.worker_id, "role": self.role, "command_address": self.command_address}
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Asks the worker to stop its loop (its followers leave theirs), then kills everything."""
+        import ray
+
+        try:
+            ray.get(self.actor.stop.remote(), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - the actor may already be gone; kill regardless
+            pass
+        self.kill()
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in [self.actor, *self.shards]:
+            ray.kill(actor)
+        if self.group is not None:
+            self.group.remove()
+            self.group = None
+
+
+def worker_host(config: ClusterConfig) -> str:
+    return config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
+
+
+def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float) -> WorkerSlot:
+    """Creates worker `<role>-<index>`'s actors (placing its group first); does not wait for
+    them to be ready (the caller waits, with its own progress and timeout)."""
+    from cluster.actors import WorkerActor
+    from cluster.shard_actor import ShardActor
+
+    pool = getattr(config, role)
+    host = worker_host(config)
+    worker_id = f"{role}-{index}"
+    engine = config.engine_config(pool).model_dump()
+    kv = {"kv_port": pool.kv_base_port + index if role == "decode" else None,
+          "kv_checksum": config.kv_transfer.checksum, "kv_transport": config.kv_transfer.transport}
+    if config.kv_transfer.transport == "torch_dist" and role != "colocated":
+        kv.update(dist_rank=config.kv_dist_ranks()[worker_id], dist_world_size=len(config.kv_dist_ranks()),
+                  dist_store_address=f"{host}:{config.kv_transfer.dist_port}")
+    metrics = None
+    if pool.metrics_base_port is not None:
+        metrics = {"port": pool.metrics_base_port + index, "peak_tflops": pool.peak_tflops,
+                   "peak_memory_bandwidth_gbps": pool.peak_memory_bandwidth_gbps}
+    placement, shards, group = {}, [], None
+    if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each
+        group = place_worker_group(pool, worker_id, timeout_s)
+        kv["shard_store_address"] = f"{host}:{pool.shard_base_port + index}"
+        placement = {"scheduling_strategy": group.strategy(0)}
+        shards = [ShardActor.options(
+            name=f"pdserve-{worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
+            num_gpus=pool.num_gpus_per_worker, scheduling_strategy=group.strategy(rank),
+        ).remote(worker_id, rank, engine, kv["shard_store_address"]) for rank in range(1, pool.engine.world_size)]
+    command_address = f"{host}:{pool.base_port + index}"
+    actor = WorkerActor.options(
+        name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
+        **placement,
+    ).remote(role, worker_id, engine, host, pool.base_port + index, f"{host}:{config.router.worker_event_port}",
+             kv, metrics, config.logging.model_dump())
+    return WorkerSlot(worker_id, role, index, actor, command_address, shards, group)
