@@ -25,6 +25,8 @@ class WorkerActor:
         from engine.peak import resolve_peak
 
         setup_logging(LoggingConfig(**(logging_config or {})), component=role, worker_id=worker_id)
+        if host == "node":  # off loopback: bind this node's address (cluster/worker_launch.py)
+            host = ray.util.get_node_ip_address()
         engine = EngineConfig(**engine_config)
         served = {}
         if metrics is not None:
@@ -34,7 +36,8 @@ class WorkerActor:
         self.host.start()
 
     def ready(self) -> str:
-        return self.host.worker_id
+        """The command address the router sends to (host:port this worker bound)."""
+        return self.host.command_address
 
     def page_stats(self) -> dict[str, int]:
         return self.host.page_stats()

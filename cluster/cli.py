@@ -79,6 +79,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import threading
 
     from cluster import launcher
+    from cluster.autoscaler import Autoscaler
     from cluster.control import ControlServer
     from cluster.pools import PoolManager
     from configs import load_cluster_config
@@ -103,7 +104,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
     supervising = threading.Event()
     try:
         control.start()
-        pools.supervise(supervising)
+        pools.supervise(supervising, say=lambda line: print(line, flush=True))
+        if any(getattr(config, role) is not None and getattr(config, role).autoscaling is not None
+               for role in ("prefill", "decode", "colocated")):
+            Autoscaler(pools, say=lambda line: print(line, flush=True)).run(supervising)
     except BaseException:
         cluster.shutdown()
         state.unlink(missing_ok=True)
@@ -189,9 +193,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"{status['mode']} cluster, gRPC {status['grpc_address']}, "
           f"{'ready' if status['ready'] else 'NOT READY'}, {status['requests_in_flight']} requests in flight")
+    for node in status["nodes"]:
+        resources = ", ".join(f"{k} {v:g}" for k, v in sorted(node["resources"].items())
+                              if not k.startswith(("node:", "memory", "object_store")))
+        print(f"  node {node['node_id'][:8]} {node['address']}: {resources}")
     for role, pool in status["pools"].items():
         print(f"  {role}: {pool['workers']} workers (target {pool['target']}, max {pool['max_workers']}), "
               f"TP={pool['tensor_parallel_size']} PP={pool['pipeline_parallel_size']}")
+        if pool.get("autoscaling"):
+            a = pool["autoscaling"]
+            print(f"    autoscaler: wants {a['wanted']} ({a['why']})")
     print(f"  {'worker':<12} {'node':<10} {'health':<9} {'in flight':>9} {'running':>7} {'waiting':>7} "
           f"{'queued tok':>10} {'KV used/total':>14}  placement")
     for w in status["workers"]:

@@ -87,6 +87,8 @@ def _init_ray(config: ClusterConfig) -> bool:
 def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningCluster:
     import ray
 
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from cluster.actors import RouterActor
 
     owns_ray = _init_ray(config)
@@ -98,7 +100,8 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             for i in range(pool.num_workers if pool is not None else 0):
                 slot = start_worker(config, role, i, timeout_s)
                 slots[slot.worker_id] = slot
-        wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say)
+        for wid, address in wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say).items():
+            slots[wid].resolve(address)
         router_kwargs = {
             "endpoints": [slot.endpoint() for slot in slots.values()],
             "event_address": f"{config.router.host}:{config.router.worker_event_port}",
@@ -109,8 +112,11 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             "slo_window_s": config.router.slo_window_s, "max_attempts": config.router.max_attempts,
             "retry_wait_s": config.router.retry_wait_s, "heartbeat_timeout_s": config.router.heartbeat_timeout_s,
         }
-        # Several calls at once: a drain (`pdserve scale`) waits on the router while status reads it.
-        router = RouterActor.options(name="pdserve-router", num_cpus=0, max_concurrency=8).remote(
+        # Pinned to this node: router.host (or, for 0.0.0.0, this node's IP) is where clients and
+        # workers find it. Several calls at once: a drain waits on the router while status reads it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        router = RouterActor.options(name="pdserve-router", num_cpus=0, max_concurrency=8,
+                                     scheduling_strategy=here).remote(
             config.model, None, router_kwargs, config.router.host, config.router.grpc_port, config.router.http_port,
             config.logging.model_dump())
         deadline = time.monotonic() + timeout_s
@@ -130,11 +136,13 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
     return RunningCluster(config, router, slots, f"{host}:{config.router.grpc_port}", owns_ray)
 
 
-def wait_ready(actors: dict[str, object], timeout_s: float, say) -> None:
-    """Waits for every actor's `ready`, naming the ones that failed or never got placed."""
+def wait_ready(actors: dict[str, object], timeout_s: float, say) -> dict[str, object]:
+    """Waits for every actor's `ready`, naming the ones that failed or never got placed;
+    returns each one's reply."""
     import ray
 
     pending = {actor.ready.remote(): name for name, actor in actors.items()}
+    replies = {}
     deadline = time.monotonic() + timeout_s
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -145,10 +153,11 @@ def wait_ready(actors: dict[str, object], timeout_s: float, say) -> None:
                 f"resources they ask for (available: {ray.available_resources()})")
         name = pending.pop(done[0])
         try:
-            ray.get(done[0])
+            replies[name] = ray.get(done[0])
         except Exception as exc:  # noqa: BLE001 - reported with the worker's name
             raise RuntimeError(f"{name} failed to start: {exc}") from exc
         say(f"{name}: ready")
+    return replies
 
 
 def write_state(config_path: str | Path, cluster: RunningCluster) -> Path:

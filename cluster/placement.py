@@ -39,11 +39,16 @@ class PlacedGroup:
         remove_placement_group(self.placement_group)
 
 
-def shard_bundles(pool: PoolConfig) -> list[dict[str, float]]:
-    bundle = {"CPU": pool.num_cpus_per_worker}
+def shard_bundle(pool: PoolConfig) -> dict[str, float]:
+    """What one shard (one process) of a worker of `pool` asks Ray for."""
+    bundle = {"CPU": pool.num_cpus_per_worker, **pool.resources_per_worker}
     if pool.num_gpus_per_worker:
         bundle["GPU"] = pool.num_gpus_per_worker
-    return [dict(bundle) for _ in range(pool.engine.world_size)]
+    return bundle
+
+
+def shard_bundles(pool: PoolConfig) -> list[dict[str, float]]:
+    return [shard_bundle(pool) for _ in range(pool.engine.world_size)]
 
 
 def place_worker_group(pool: PoolConfig, worker_id: str, timeout_s: float) -> PlacedGroup:

@@ -34,6 +34,7 @@ class PoolManager:
         self.start_timeout_s = start_timeout_s
         self.on_change = on_change or (lambda: None)
         self.targets = {role: len(self._indices(role)) for role in ROLES}
+        self.autoscaling: dict[str, dict] = {}  # role -> the autoscaler's latest decision (cluster/autoscaler.py)
 
     def _indices(self, role: str) -> list[int]:
         return sorted(slot.index for slot in self.cluster.slots.values() if slot.role == role)
@@ -55,15 +56,18 @@ class PoolManager:
                              f"(raise {role}.max_workers in the config to allow more)")
         added, removed = [], []
         with self.cluster.lock:
+            before = self.targets[role]
             self.targets[role] = size
             indices = self._indices(role)
             new = [i for i in range(pool.worker_limit) if i not in indices][: max(0, size - len(indices))]
             slots = [start_worker(config, role, i, self.start_timeout_s) for i in new]
             try:
-                wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say)
+                for wid, address in wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say).items():
+                    next(s for s in slots if s.worker_id == wid).resolve(address)
             except BaseException:
                 for s in slots:
                     s.kill()
+                self.targets[role] = before  # the supervisor must not keep retrying what failed
                 raise
             for s in slots:
                 self.cluster.slots[s.worker_id] = s
@@ -83,10 +87,10 @@ class PoolManager:
 
     # -- supervision ----------------------------------------------------------------------------
     def replace_dead(self, say=log.warning) -> list[str]:
-        """Kills and restarts every worker whose actor is gone or whose loop has stopped."""
+        """Kills every worker whose actor is gone or whose loop has stopped, and starts pools
+        back up to their target size (the freed index first, so the same ports)."""
         import ray
 
-        replaced = []
         with self.cluster.lock:
             slots = list(self.cluster.slots.values())
             alive = [slot.actor.alive.remote() for slot in slots]
@@ -104,23 +108,17 @@ class PoolManager:
                     continue
                 say(f"{slot.worker_id}: {why}; starting a replacement")
                 slot.kill()
-                fresh = start_worker(self.cluster.config, slot.role, slot.index, self.start_timeout_s)
-                try:
-                    wait_ready({fresh.worker_id: fresh.actor}, self.start_timeout_s, say)
-                except BaseException as exc:  # noqa: BLE001 - try again on the next round
-                    fresh.kill()
-                    del self.cluster.slots[slot.worker_id]
-                    say(f"{slot.worker_id}: replacement failed ({exc}); will retry")
-                    continue
-                self.cluster.slots[slot.worker_id] = fresh
-                replaced.append(slot.worker_id)
-            replaced += self._restart_missing(say)
-        if replaced:
+                del self.cluster.slots[slot.worker_id]
+            started = self._restart_missing(say)
+        if started:
             self.on_change()
-        return replaced
+        return started
 
     def _restart_missing(self, say) -> list[str]:
-        """Brings each pool back to its target size after a replacement that failed to start."""
+        """Starts workers until each pool is back at its target size; one that fails to start
+        is tried again on the next round."""
+        import ray
+
         started = []
         for role in ROLES:
             pool = getattr(self.cluster.config, role, None)
@@ -130,21 +128,22 @@ class PoolManager:
             for i in [i for i in range(pool.worker_limit) if i not in indices][: self.targets[role] - len(indices)]:
                 fresh = start_worker(self.cluster.config, role, i, self.start_timeout_s)
                 try:
-                    wait_ready({fresh.worker_id: fresh.actor}, self.start_timeout_s, say)
+                    fresh.resolve(wait_ready({fresh.worker_id: fresh.actor}, self.start_timeout_s, say)[fresh.worker_id])
                 except BaseException as exc:  # noqa: BLE001 - try again on the next round
                     fresh.kill()
                     say(f"{fresh.worker_id}: start failed ({exc}); will retry")
                     continue
                 self.cluster.slots[fresh.worker_id] = fresh
+                ray.get(self.cluster.router.add_worker.remote(fresh.endpoint()), timeout=30)  # same or new address
                 started.append(fresh.worker_id)
         return started
 
-    def supervise(self, stop: threading.Event, every_s: float = 2.0) -> threading.Thread:
+    def supervise(self, stop: threading.Event, every_s: float = 2.0, say=log.warning) -> threading.Thread:
         """Runs `replace_dead` every `every_s` on a thread until `stop` is set."""
         def loop() -> None:
             while not stop.wait(every_s):
                 try:
-                    self.replace_dead()
+                    self.replace_dead(say)
                 except Exception:  # noqa: BLE001 - supervision must outlive one bad round
                     log.exception("supervisor round failed")
 
@@ -184,7 +183,11 @@ class PoolManager:
                 pools[role] = {"workers": len(self._indices(role)), "target": self.targets[role],
                                "max_workers": pool.worker_limit,
                                "tensor_parallel_size": pool.engine.tensor_parallel_size,
-                               "pipeline_parallel_size": pool.engine.pipeline_parallel_size}
-        return {"mode": self.cluster.config.mode, "grpc_address": self.cluster.grpc_address,
-                "ready": router["ready"], "requests_in_flight": router["in_flight"], "pools": pools,
+                               "pipeline_parallel_size": pool.engine.pipeline_parallel_size,
+                               "autoscaling": self.autoscaling.get(role)}
+        nodes = [{"node_id": n["NodeID"], "address": n["NodeManagerAddress"], "alive": n["Alive"],
+                  "resources": n.get("Resources", {})} for n in ray.nodes() if n["Alive"]]
+        return {"mode": self.cluster.config.mode, "grpc_address": self.cluster.grpc_address, "nodes": nodes,
+                "ready": router["ready"], "requests_in_flight": router["in_flight"],
+                "recent_p90": router["recent_p90"], "pools": pools,
                 "workers": workers, "time": time.time()}

@@ -2,7 +2,11 @@
 `pdserve scale` for each worker it adds, and the supervisor for each worker it replaces.
 
 Worker `<role>-<i>` always takes the ports of index i (base_port + i, kv_base_port + i, ...),
-so a replacement comes back at the address the router already knows. A TP x PP worker is a
+so a replacement on the same node comes back at the address the router already knows.
+Addresses: with a loopback router.host everything stays on this machine's loopback; otherwise
+each worker binds its own node's IP (a worker may land on any node) and reports its command
+address when ready, and workers push events to router.host (or, for 0.0.0.0, the address of
+the node the `up` process runs on, where the router is pinned). A TP x PP worker is a
 placement group (cluster/placement.py): the WorkerActor (rank 0) in bundle 0, a ShardActor per
 follower rank after it. `WorkerSlot.kill` ends all of it and frees the bundles; it is the one
 owner of those resources.
@@ -25,6 +29,10 @@ class WorkerSlot:
     command_address: str
     shards: list[object] = field(default_factory=list)  # ShardActor handles, ranks 1..
     group: PlacedGroup | None = None
+
+    def resolve(self, ready_reply: str) -> None:
+        """The address the worker bound, from its `ready()` reply (its node's IP off loopback)."""
+        self.command_address = ready_reply
 
     def endpoint(self) -> dict:
         return {"worker_id": self.worker_id, "role": self.role, "command_address": self.command_address}
@@ -50,7 +58,32 @@ class WorkerSlot:
 
 
 def worker_host(config: ClusterConfig) -> str:
-    return config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
+    """Where clients and workers reach the router (and, on loopback, everything else)."""
+    if config.router.host != "0.0.0.0":
+        return config.router.host
+    if on_loopback(config):
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()  # the `up` process's node, where the router is pinned
+
+
+def on_loopback(config: ClusterConfig) -> bool:
+    """A one-machine cluster: every socket on 127.0.0.1 (embedded Ray, or fake nodes)."""
+    return config.router.host.startswith("127.") or config.router.host == "localhost" or (
+        config.router.host == "0.0.0.0" and config.ray.address is None)
+
+
+NODE_IP = "node"  # a worker binds the IP of the node Ray put it on
+
+
+def _bundle_node_ip(group: PlacedGroup) -> str:
+    """The IP of the node holding bundle 0 (rank 0, whose process opens the shard store)."""
+    import ray
+    from ray.util import placement_group_table
+
+    node_id = placement_group_table(group.placement_group)["bundles_to_node_id"][0]
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
 def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float) -> WorkerSlot:
@@ -60,14 +93,15 @@ def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float)
     from cluster.shard_actor import ShardActor
 
     pool = getattr(config, role)
-    host = worker_host(config)
+    router_host = worker_host(config)
+    host = router_host if on_loopback(config) else NODE_IP
     worker_id = f"{role}-{index}"
     engine = config.engine_config(pool).model_dump()
     kv = {"kv_port": pool.kv_base_port + index if role == "decode" else None,
           "kv_checksum": config.kv_transfer.checksum, "kv_transport": config.kv_transfer.transport}
     if config.kv_transfer.transport == "torch_dist" and role != "colocated":
         kv.update(dist_rank=config.kv_dist_ranks()[worker_id], dist_world_size=len(config.kv_dist_ranks()),
-                  dist_store_address=f"{host}:{config.kv_transfer.dist_port}")
+                  dist_store_address=f"{router_host}:{config.kv_transfer.dist_port}")
     metrics = None
     if pool.metrics_base_port is not None:
         metrics = {"port": pool.metrics_base_port + index, "peak_tflops": pool.peak_tflops,
@@ -75,16 +109,18 @@ def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float)
     placement, shards, group = {}, [], None
     if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each
         group = place_worker_group(pool, worker_id, timeout_s)
-        kv["shard_store_address"] = f"{host}:{pool.shard_base_port + index}"
+        store_host = host if host != NODE_IP else _bundle_node_ip(group)
+        kv["shard_store_address"] = f"{store_host}:{pool.shard_base_port + index}"
         placement = {"scheduling_strategy": group.strategy(0)}
         shards = [ShardActor.options(
             name=f"pdserve-{worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
-            num_gpus=pool.num_gpus_per_worker, scheduling_strategy=group.strategy(rank),
+            num_gpus=pool.num_gpus_per_worker, resources=dict(pool.resources_per_worker),
+            scheduling_strategy=group.strategy(rank),
         ).remote(worker_id, rank, engine, kv["shard_store_address"]) for rank in range(1, pool.engine.world_size)]
     command_address = f"{host}:{pool.base_port + index}"
     actor = WorkerActor.options(
         name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
-        **placement,
-    ).remote(role, worker_id, engine, host, pool.base_port + index, f"{host}:{config.router.worker_event_port}",
+        resources=dict(pool.resources_per_worker), **placement,
+    ).remote(role, worker_id, engine, host, pool.base_port + index, f"{router_host}:{config.router.worker_event_port}",
              kv, metrics, config.logging.model_dump())
     return WorkerSlot(worker_id, role, index, actor, command_address, shards, group)

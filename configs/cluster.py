@@ -40,6 +40,28 @@ class RouterConfig(_Strict):
                               description="the `up` process answers `pdserve status` / `pdserve scale` here")
 
 
+class AutoscalingConfig(_Strict):
+    """Resize one pool from live signals (cluster/autoscaler.py): prefill from queued prompt
+    tokens and TTFT, decode from KV page usage and TPOT. Latency targets are p90s over the
+    router's slo_window_s; a breach adds a worker even when the load signal does not."""
+
+    min_workers: int = Field(1, ge=1)
+    max_workers: int = Field(ge=1)
+    target_queued_tokens_per_worker: int = Field(4096, ge=1, description="prefill: prompt tokens waiting per worker")
+    target_kv_usage: float = Field(0.7, gt=0, le=1, description="decode: share of KV pages in use per worker")
+    target_ttft_ms: float | None = Field(None, gt=0, description="prefill: p90 TTFT above this adds a worker")
+    target_tpot_ms: float | None = Field(None, gt=0, description="decode: p90 TPOT above this adds a worker")
+    interval_s: float = Field(2.0, gt=0, description="how often signals are read")
+    scale_down_delay_s: float = Field(60.0, ge=0, description="load must stay below target this long to remove one")
+    cooldown_s: float = Field(30.0, ge=0, description="after a resize, latency breaches wait this long (stale window)")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> "AutoscalingConfig":
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})")
+        return self
+
+
 class PoolConfig(_Strict):
     num_workers: int = Field(1, ge=1, description="workers at start; the supervisor replaces dead ones to keep the count")
     max_workers: int | None = Field(
@@ -48,6 +70,9 @@ class PoolConfig(_Strict):
     # asks this much for each shard (one placement-group bundle per shard).
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker process (per shard)")
     num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker process (per shard)")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources per shard (e.g. {decode_slot: 1}: ties the pool to "
+        "node types that offer them, so the Ray autoscaler knows which node type to add)")
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
         "STRICT_PACK", description="Ray placement of a sharded worker's bundles")
     shard_base_port: int | None = Field(
@@ -62,16 +87,24 @@ class PoolConfig(_Strict):
     peak_memory_bandwidth_gbps: float | None = Field(None, gt=0, description="GB/s (1e9 bytes) per worker")
     peak_tflops: float | None = Field(None, gt=0, description="dense TFLOP/s per worker, in the engine's dtype")
     engine: EngineSettings = EngineSettings()
+    autoscaling: AutoscalingConfig | None = None
 
     @property
     def worker_limit(self) -> int:
         """The most workers this pool may have (ports are reserved for that many)."""
-        return self.max_workers if self.max_workers is not None else self.num_workers
+        limits = [self.num_workers, self.max_workers or 0, self.autoscaling.max_workers if self.autoscaling else 0]
+        return max(limits)
 
     @model_validator(mode="after")
     def _check_sharding(self) -> "PoolConfig":
         if self.max_workers is not None and self.max_workers < self.num_workers:
             raise ValueError(f"max_workers ({self.max_workers}) is below num_workers ({self.num_workers})")
+        a = self.autoscaling
+        if a is not None and not a.min_workers <= self.num_workers <= a.max_workers:
+            raise ValueError(f"num_workers ({self.num_workers}) is outside autoscaling's "
+                             f"{a.min_workers}..{a.max_workers}")
+        if a is not None and self.max_workers is not None and a.max_workers > self.max_workers:
+            raise ValueError(f"autoscaling.max_workers ({a.max_workers}) is above max_workers ({self.max_workers})")
         e = self.engine
         if e.world_size > 1 and self.shard_base_port is None:
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {e.world_size} needs shard_base_port: "
@@ -126,6 +159,9 @@ class ClusterConfig(_Strict):
                 raise ValueError("mode 'colocated' needs a 'colocated' pool")
             if self.prefill is not None or self.decode is not None:
                 raise ValueError("'prefill'/'decode' pools given in mode 'colocated': set mode: disaggregated")
+        if self.kv_transfer.transport == "torch_dist" and any(
+                p is not None and p.autoscaling is not None for p in (self.prefill, self.decode)):
+            raise ValueError("autoscaling needs kv_transfer.transport: zmq (a torch_dist group has a fixed membership)")
         self._check_ports()
         return self
 

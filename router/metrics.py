@@ -70,7 +70,7 @@ class RouterMetrics:
                 self.tpot.observe(tpot_s)
         if finish_reason != "abort":  # an aborted request is not served output
             met = self.slo.met(ttft_s, tpot_s)
-            self.slo_window.record(met)
+            self.slo_window.record(met, ttft_s, tpot_s)
             if met:
                 self.goodput.inc()
         self.prompt_tokens.inc(prompt_tokens)

@@ -117,9 +117,16 @@ class Router:
 
     # -- membership (pdserve scale / replacement; called on the router's event loop) -------------
     def add_worker(self, endpoint: WorkerEndpoint) -> None:
-        """Routes to a new worker once its heartbeats say it is healthy."""
+        """Routes to a new worker once its heartbeats say it is healthy. A replacement at a new
+        address (another node) takes the old endpoint's place; at the same address, nothing to do."""
+        known = self.pool.endpoints.get(endpoint.worker_id)
+        if known == endpoint:
+            return
+        if known is not None:
+            self.pool.remove(endpoint.worker_id)
         self.pool.add(endpoint)
-        self.log.event("worker_added", None, worker=endpoint.worker_id, role=endpoint.role)
+        self.log.event("worker_added", None, worker=endpoint.worker_id, role=endpoint.role,
+                       address=endpoint.command_address)
 
     async def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         """Stops routing to `worker_id`, waits until the requests it holds have finished (or
@@ -135,7 +142,8 @@ class Router:
         return left
 
     def view(self) -> dict:
-        return {"ready": self.is_ready(), "in_flight": self.num_in_flight, "workers": self.pool.view()}
+        return {"ready": self.is_ready(), "in_flight": self.num_in_flight, "workers": self.pool.view(),
+                "recent_p90": self.metrics.slo_window.latency(0.9)}
 
     async def _watch_health(self) -> None:
         while True:

@@ -41,13 +41,27 @@ class SloWindow:
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
         self.clock = clock
-        self._outcomes: deque[tuple[float, bool]] = deque()
+        self._outcomes: deque[tuple[float, bool, float | None, float | None]] = deque()  # (at, met, ttft, tpot)
         self._lock = threading.Lock()
 
-    def record(self, met: bool) -> None:
+    def record(self, met: bool, ttft_s: float | None = None, tpot_s: float | None = None) -> None:
         with self._lock:
-            self._outcomes.append((self.clock(), met))
+            self._outcomes.append((self.clock(), met, ttft_s, tpot_s))
             self._prune()
+
+    def latency(self, q: float = 0.9) -> dict[str, float | int | None]:
+        """The window's TTFT and TPOT at quantile `q` (nearest rank; None without samples), and
+        how many requests it holds: what the autoscaler compares with its latency targets."""
+        with self._lock:
+            self._prune()
+            outcomes = list(self._outcomes)
+
+        def quantile(values: list[float]) -> float | None:
+            values = sorted(values)
+            return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+        return {"requests": len(outcomes), "ttft_s": quantile([o[2] for o in outcomes if o[2] is not None]),
+                "tpot_s": quantile([o[3] for o in outcomes if o[3] is not None])}
 
     def attainment(self) -> float:
         """Share of the window's requests that met every target; NaN when none finished."""
@@ -55,7 +69,7 @@ class SloWindow:
             self._prune()
             if not self._outcomes:
                 return float("nan")
-            return sum(met for _, met in self._outcomes) / len(self._outcomes)
+            return sum(o[1] for o in self._outcomes) / len(self._outcomes)
 
     def _prune(self) -> None:
         oldest = self.clock() - self.window_s

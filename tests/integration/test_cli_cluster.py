@@ -19,9 +19,8 @@ import pytest
 import yaml
 
 from cluster.local_cluster import free_port
+from tests.cli_helpers import REPO, env, pdserve, start_up, status, stop_up, wait_for
 from tests.helpers import hf_greedy
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def write_config(tmp_path: Path, mode: str, transport: str = "zmq", engines: dict | None = None,
@@ -81,37 +80,6 @@ def scrape_every_target(tmp_path: Path, mode: str) -> None:
             assert "pdserve_worker_decode_tokens_total" in text
 
 
-def env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "PDSERVE_RUN_DIR": str(tmp_path / "run"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            "PYTHONUNBUFFERED": "1"}
-
-
-def pdserve(*args, tmp_path, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env(tmp_path), cwd=REPO)
-
-
-def start_up(tmp_path: Path, config: Path) -> subprocess.Popen:
-    """`pdserve up` in its own session, returned once it says the cluster is up."""
-    log = open(tmp_path / "up.log", "w")
-    up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(config)], stdout=log,
-                          stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True)
-    log.close()
-    deadline = time.monotonic() + 180
-    while "cluster up" not in (tmp_path / "up.log").read_text():
-        if up.poll() is not None or time.monotonic() > deadline:
-            stop_up(up)
-            pytest.fail((tmp_path / "up.log").read_text())
-        time.sleep(0.5)
-    return up
-
-
-def stop_up(up: subprocess.Popen) -> None:
-    if up.poll() is None:
-        os.killpg(up.pid, signal.SIGINT)
-        up.wait(60)
-
-
 @pytest.mark.parametrize(("mode", "transport"),
                          [("disaggregated", "zmq"), ("disaggregated", "torch_dist"), ("colocated", "zmq")])
 def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
@@ -156,20 +124,6 @@ def test_sharded_pools_prefill_tp2_to_decode_pp2(tmp_path, hf_tiny):
         stop_up(up)
 
 
-def status(config: Path, tmp_path: Path) -> dict:
-    proc = pdserve("status", str(config), "--json", tmp_path=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
-
-
-def wait_for(predicate, what: str, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
-    return value
-
-
 def test_status_scale_and_replacement(tmp_path, hf_tiny):
     """`pdserve scale` adds a decode worker that takes traffic and drains it away again without
     failing the request it serves; a decode worker whose process is killed is replaced at its
@@ -189,7 +143,8 @@ def test_status_scale_and_replacement(tmp_path, hf_tiny):
     try:
         st = status(config, tmp_path)
         assert st["ready"] and st["pools"]["decode"] == {"workers": 1, "target": 1, "max_workers": 2,
-                                                         "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+                                                         "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                                         "autoscaling": None}
         assert [(w["worker_id"], w["healthy"]) for w in st["workers"]] == [("prefill-0", True), ("decode-0", True)]
         too_many = pdserve("scale", str(config), "--decode", "3", tmp_path=tmp_path)
         assert too_many.returncode == 1 and "outside 1..2" in too_many.stderr and "decode.max_workers" in too_many.stderr

@@ -1,0 +1,62 @@
+"""Driving `pdserve` as a user does, from tests: the CLI as subprocesses with the run dir
+under the test's tmp_path, `pdserve up` in its own session (stopped by SIGINT to that group),
+`pdserve status --json`, and polling with a deadline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "PDSERVE_RUN_DIR": str(tmp_path / "run"), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "PYTHONUNBUFFERED": "1"}
+
+
+def pdserve(*args, tmp_path, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env(tmp_path), cwd=REPO)
+
+
+def start_up(tmp_path: Path, config: Path) -> subprocess.Popen:
+    """`pdserve up` in its own session, returned once it says the cluster is up."""
+    log = open(tmp_path / "up.log", "w")
+    up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(config)], stdout=log,
+                          stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True)
+    log.close()
+    deadline = time.monotonic() + 180
+    while "cluster up" not in (tmp_path / "up.log").read_text():
+        if up.poll() is not None or time.monotonic() > deadline:
+            stop_up(up)
+            pytest.fail((tmp_path / "up.log").read_text())
+        time.sleep(0.5)
+    return up
+
+
+def stop_up(up: subprocess.Popen) -> None:
+    if up.poll() is None:
+        os.killpg(up.pid, signal.SIGINT)
+        up.wait(60)
+
+
+def status(config: Path, tmp_path: Path) -> dict:
+    proc = pdserve("status", str(config), "--json", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 90.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return value
