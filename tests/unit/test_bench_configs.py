@@ -28,3 +28,16 @@ def test_report_configs_compare_like_with_like():
     # A budget of the model's whole context: any prompt is prefilled in one step, never chunked.
     assert colocated.colocated.engine.max_num_batched_tokens >= BUILTIN_SPECS["small"].max_position_embeddings
     assert not router_ports(colocated) & router_ports(disagg)
+
+
+def test_goodput_layouts_share_the_same_two_cores():
+    """benchmarks/pd_goodput.py: 1P2D and 2P1D fit the cores colocated and 1P1D get, and no
+    two layouts' router ports collide (each runs alone, but a leftover must not block the next)."""
+    layouts = {name: load_cluster_config(BENCH_CONFIGS / f"{name}.yaml")
+               for name in ("colocated-small", "disagg-small", "disagg-1p2d-small", "disagg-2p1d-small")}
+    assert (layouts["disagg-1p2d-small"].prefill.num_workers, layouts["disagg-1p2d-small"].decode.num_workers) == (1, 2)
+    assert (layouts["disagg-2p1d-small"].prefill.num_workers, layouts["disagg-2p1d-small"].decode.num_workers) == (2, 1)
+    for name in ("disagg-1p2d-small", "disagg-2p1d-small"):
+        assert 1.9 < cores(layouts[name], ["prefill", "decode"]) <= 2
+    ports = [cfg.router.grpc_port for cfg in layouts.values()]
+    assert len(set(ports)) == len(ports)
