@@ -77,14 +77,7 @@ def attainment_vs_rate_figure(results: list[BenchResult]) -> Figure | None:
             continue
         ax.plot([run.rate for run in swept], [run.summary(result.slo).attainment for run in swept], marker="o",
                 label=result.label, **_style(i, 0))
-    if not ax.lines:
-        return None
-    _target_line(ax)
-    ax.set(title=f"SLO attainment vs request rate ({_slo_text(results)})", xlabel="request rate (req/s)",
-           ylabel="SLO attainment", ylim=(0, 1.02))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    return fig
+    return _attainment_axes(fig, ax, f"SLO attainment vs request rate ({_slo_text(results)})", "request rate (req/s)")
 
 
 def attainment_vs_slo_scale_figure(results: list[BenchResult], scales: tuple[float, ...] = SLO_SCALES
@@ -97,11 +90,15 @@ def attainment_vs_slo_scale_figure(results: list[BenchResult], scales: tuple[flo
         for j, run in enumerate(result.runs):
             ax.plot(scales, [run.summary(result.slo.scaled(s)).attainment for s in scales],
                     label=run_label(result, run), **_style(i, j))
+    return _attainment_axes(fig, ax, f"SLO attainment vs SLO scale (1x = {_slo_text(results)})", "SLO scale factor")
+
+
+def _attainment_axes(fig: Figure, ax, title: str, xlabel: str) -> Figure | None:
+    """Finishes an attainment chart (the 90% line, labels, legend); None when nothing was drawn."""
     if not ax.lines:
         return None
     _target_line(ax)
-    ax.set(title=f"SLO attainment vs SLO scale (1x = {_slo_text(results)})", xlabel="SLO scale factor",
-           ylabel="SLO attainment", ylim=(0, 1.02))
+    ax.set(title=title, xlabel=xlabel, ylabel="SLO attainment", ylim=(0, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
