@@ -13,6 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
+
+from cluster.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,3 +63,28 @@ def wait_for(predicate, what: str, timeout_s: float = 90.0):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
     return value
+
+
+def write_config(tmp_path: Path, mode: str, transport: str = "zmq", engines: dict | None = None,
+                 **pool_extra) -> Path:
+    """`engines`: per-role engine keys (e.g. TP/PP sizes); `pool_extra`: keys for every pool."""
+    cfg = yaml.safe_load((REPO / "configs" / ("local.yaml" if mode == "disaggregated" else "colocated.yaml")).read_text())
+    cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port(), http_port=free_port(),
+                         control_port=free_port())
+    cfg["logging"] = {"format": "json"}
+    if mode == "disaggregated":
+        cfg["kv_transfer"].update(transport=transport, dist_port=free_port())
+    for role in ("prefill", "decode", "colocated"):
+        if role in cfg:
+            cfg[role]["base_port"] = free_port()
+            cfg[role]["metrics_base_port"] = free_port()
+            cfg[role]["num_cpus_per_worker"] = 0.5  # two workers + router on a 2-core machine
+            cfg[role].update(pool_extra)
+            cfg[role]["engine"].update((engines or {}).get(role, {}))
+            if cfg[role]["engine"].get("tensor_parallel_size", 1) * cfg[role]["engine"].get("pipeline_parallel_size", 1) > 1:
+                cfg[role]["shard_base_port"] = free_port()
+            if role == "decode":
+                cfg[role]["kv_base_port"] = free_port()
+    path = tmp_path / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

@@ -12,10 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from cluster.local_cluster import free_port
-from tests.integration.test_cli_cluster import REPO, env, write_config
+from tests.cli_helpers import REPO, env, write_config
 
 
 def processes_with_env(key: str, value: str) -> list[str]:
@@ -33,6 +34,7 @@ def processes_with_env(key: str, value: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_compare_colocated_and_disaggregated(tmp_path):
     colocated, disaggregated = write_config(tmp_path, "colocated"), write_config(tmp_path, "disaggregated")
     for config in (colocated, disaggregated):  # measured through the OpenAI HTTP front door

@@ -19,33 +19,8 @@ import pytest
 import yaml
 
 from cluster.local_cluster import free_port
-from tests.cli_helpers import REPO, env, pdserve, start_up, status, stop_up, wait_for
+from tests.cli_helpers import REPO, env, pdserve, start_up, status, stop_up, wait_for, write_config
 from tests.helpers import hf_greedy
-
-
-def write_config(tmp_path: Path, mode: str, transport: str = "zmq", engines: dict | None = None,
-                 **pool_extra) -> Path:
-    """`engines`: per-role engine keys (e.g. TP/PP sizes); `pool_extra`: keys for every pool."""
-    cfg = yaml.safe_load((REPO / "configs" / ("local.yaml" if mode == "disaggregated" else "colocated.yaml")).read_text())
-    cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port(), http_port=free_port(),
-                         control_port=free_port())
-    cfg["logging"] = {"format": "json"}
-    if mode == "disaggregated":
-        cfg["kv_transfer"].update(transport=transport, dist_port=free_port())
-    for role in ("prefill", "decode", "colocated"):
-        if role in cfg:
-            cfg[role]["base_port"] = free_port()
-            cfg[role]["metrics_base_port"] = free_port()
-            cfg[role]["num_cpus_per_worker"] = 0.5  # two workers + router on a 2-core machine
-            cfg[role].update(pool_extra)
-            cfg[role]["engine"].update((engines or {}).get(role, {}))
-            if cfg[role]["engine"].get("tensor_parallel_size", 1) * cfg[role]["engine"].get("pipeline_parallel_size", 1) > 1:
-                cfg[role]["shard_base_port"] = free_port()
-            if role == "decode":
-                cfg[role]["kv_base_port"] = free_port()
-    path = tmp_path / f"{mode}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def concurrent_mix_matches_hf(port: int, hf_model) -> None:
@@ -80,6 +55,7 @@ def scrape_every_target(tmp_path: Path, mode: str) -> None:
             assert "pdserve_worker_decode_tokens_total" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "transport"),
                          [("disaggregated", "zmq"), ("disaggregated", "torch_dist"), ("colocated", "zmq")])
 def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
@@ -108,6 +84,7 @@ def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
     assert again.returncode == 1 and "no running cluster" in again.stderr
 
 
+@pytest.mark.slow
 def test_sharded_pools_prefill_tp2_to_decode_pp2(tmp_path, hf_tiny):
     """TP=2 prefill ships whole pages regrouped for a PP=2 decode worker: each worker is a
     placement group of two Ray actors (driver + follower) joined by gloo."""
@@ -124,6 +101,7 @@ def test_sharded_pools_prefill_tp2_to_decode_pp2(tmp_path, hf_tiny):
         stop_up(up)
 
 
+@pytest.mark.slow
 def test_status_scale_and_replacement(tmp_path, hf_tiny):
     """`pdserve scale` adds a decode worker that takes traffic and drains it away again without
     failing the request it serves; a decode worker whose process is killed is replaced at its

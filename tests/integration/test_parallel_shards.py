@@ -18,6 +18,7 @@ PROMPTS = [BASE, BASE[:40] + [9, 10, 11], [0, 5, 6, 7]]  # the second shares 2 p
 SMALL = dict(page_size=16, num_pages=48, max_num_batched_tokens=32, max_num_seqs=8)  # 51 tokens: chunked prefill
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 def test_sharded_worker_matches_hf(hf_tiny, tp, pp):
     with LLM("builtin:tiny", tensor_parallel_size=tp, pipeline_parallel_size=pp, **SMALL) as llm:
