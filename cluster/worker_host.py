@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Callable
 
 from configs import EngineConfig
@@ -56,6 +57,7 @@ class WorkerHost:
         self._kv_transport = kv_transport
         self._crash_when = crash_when
         self.crashed = False
+        self.incarnation = uuid.uuid4().hex  # in every heartbeat: the router tells a replacement apart
         self._dist = (dist_rank, dist_world_size, dist_store_address)
         self.role, self.worker_id = role, worker_id
         self.command_address = f"{host}:{command_port}"
@@ -170,10 +172,11 @@ class WorkerHost:
         return PrefillWorker(self.worker_id, self.engine, open_sender, emit)
 
     def _load(self, role):
-        engine, worker_id, name = self.engine, self.worker_id, self.role
+        engine, worker_id, name, incarnation = self.engine, self.worker_id, self.role, self.incarnation
 
         def load() -> wm.Load:
             queued = role.num_queued_tokens if isinstance(role, PrefillWorker) else 0
-            return wm.Load(worker_id, name, queued, engine.page_manager.num_free_pages, len(engine.scheduler.running))
+            return wm.Load(worker_id, name, queued, engine.page_manager.num_free_pages, len(engine.scheduler.running),
+                           incarnation)
 
         return load

@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from configs.hf_eos import id_tuple, merged_eos_ids
+
 # HF `architectures` entries served by engine/models/llama.py. All three families share the
 # decoder block; they differ in qkv bias (Qwen2), sliding window (Mistral) and defaults.
 SUPPORTED_ARCHITECTURES = {
@@ -57,11 +59,7 @@ class ModelConfig:
         cfg = ModelConfig.from_hf_dict(json.loads(config_file.read_text()))
         # generate() stops on generation_config's eos ids, which chat models extend (e.g. an
         # end-of-turn token): serve the same stop set.
-        gen_file = Path(path) / "generation_config.json"
-        if gen_file.is_file():
-            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
-            cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + _id_tuple(gen_eos))))
-        return cfg
+        return replace(cfg, eos_token_ids=merged_eos_ids(cfg.eos_token_ids, path))
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -115,14 +113,9 @@ class ModelConfig:
             qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_id_tuple(cfg.get("eos_token_id")),
+            eos_token_ids=id_tuple(cfg.get("eos_token_id")),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V that one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-
-def _id_tuple(value: Any) -> tuple[int, ...]:
-    """HF configs give eos_token_id as an int, a list, or null."""
-    return tuple(value) if isinstance(value, list) else (() if value is None else (value,))

@@ -140,6 +140,7 @@ class Load:
     queued_tokens: int
     free_pages: int
     running: int
+    incarnation: str = ""  # new per worker process: a replacement under the same id is not the same worker
 
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (

@@ -20,6 +20,7 @@ UNAVAILABLE naming what was lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -80,7 +81,8 @@ class _Stream:
     ttft: float | None = None
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0
-    done: bool = False
+    ended: bool = False  # the client got a finish reason
+    done: bool = False  # ... and it was not "abort": the workers freed what they held themselves
 
 
 async def run_journey(
@@ -92,24 +94,36 @@ async def run_journey(
     stream = _Stream(IncrementalDetokenizer(tokenizer), StopStringMatcher(list(j.stop)))
     dispatched = [] if on_dispatch is None else [on_dispatch]
     lost: list[str] = []
-    try:
-        for attempt in range(settings.max_attempts):
-            try:
-                async for response in _attempt(j, attempt, stream, pool, policy, settings, dispatched):
+    for attempt in range(settings.max_attempts):
+        if attempt > 0 and (reason := _ended(j, stream, tokenizer)) is not None:
+            yield _respond(j, stream, [], reason)  # the lost worker had nothing left to send
+            return
+        try:
+            async with contextlib.aclosing(_attempt(j, attempt, stream, pool, policy, settings, dispatched)) as tries:
+                async for response in tries:
                     yield response
-                return
-            except WorkerLost as exc:
-                lost.append(str(exc))
-                log.warning("request %s: attempt %d lost (%s); %s", j.request_id, attempt + 1, exc,
-                            "retrying" if attempt + 1 < settings.max_attempts else "giving up")
-            except RouterError as exc:
-                if not lost:
-                    raise
-                raise RouterError(exc.code, f"{exc} (retrying after: {'; '.join(lost)})") from None
-        raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                          f"gave up after {settings.max_attempts} attempts: {'; '.join(lost)}")
-    finally:
-        pool.release(j.request_id)
+            return
+        except WorkerLost as exc:
+            lost.append(str(exc))
+            log.warning("request %s: attempt %d lost (%s); %s", j.request_id, attempt + 1, exc,
+                        "retrying" if attempt + 1 < settings.max_attempts else "giving up")
+        except RouterError as exc:
+            if not lost:
+                raise
+            raise RouterError(exc.code, f"{exc} (retrying after: {'; '.join(lost)})") from None
+    raise RouterError(grpc.StatusCode.UNAVAILABLE, f"gave up after {settings.max_attempts} attempts: {'; '.join(lost)}")
+
+
+def _ended(j: Journey, stream: _Stream, tokenizer: RouterTokenizer) -> str | None:
+    """The finish reason the lost worker would have sent, when the client already has the
+    request's last token: max_tokens reached, or a stop / end-of-sequence token."""
+    if len(stream.generated) >= j.sampling.max_tokens:
+        return "length"
+    last = stream.generated[-1] if stream.generated else None
+    if last is not None and (last in j.sampling.stop_token_ids
+                             or (not j.sampling.ignore_eos and last in tokenizer.eos_token_ids)):
+        return "stop"
+    return None
 
 
 async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, policy: LeastLoadedPolicy,
@@ -120,13 +134,19 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
     sampling = replace(j.sampling, max_tokens=j.sampling.max_tokens - len(stream.generated))
     events = pool.subscribe(rid)
     involved: set[str] = set()  # workers that may hold something of this attempt: Abort them at the end
-    watched: set[str] = set()  # workers whose death ends this attempt
+    watched: dict[str, str | None] = {}  # workers whose death (or replacement) ends this attempt -> incarnation
     wait_s = settings.retry_wait_s if attempt > 0 else 0.0
 
     def use(worker: str) -> None:
         involved.add(worker)
-        watched.add(worker)
-        pool.involve(j.request_id, worker)
+        watched[worker] = pool.incarnation(worker)
+        pool.involve(rid, worker)
+
+    def done_with(worker: str) -> None:
+        """`worker` holds nothing more of this attempt."""
+        involved.discard(worker)
+        watched.pop(worker, None)
+        pool.uninvolve(rid, worker)
 
     def first_dispatch(worker: str) -> None:
         while dispatched:
@@ -137,10 +157,10 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
             worker = await _choose(lambda: policy.choose_decode(prompt, pool.loads("colocated")), j, wait_s,
                                    "no healthy colocated worker")
             use(worker)
-            await pool.send(worker, wm.Generate(rid, prompt, sampling))
+            await _send(pool, worker, wm.Generate(rid, prompt, sampling))
             first_dispatch(worker)
         else:
-            decode_worker = await _reserve(j, rid, prompt, pool, policy, settings, events, use, wait_s)
+            decode_worker = await _reserve(j, rid, prompt, pool, policy, settings, events, use, done_with, wait_s)
         while True:
             msg = await _next(events, j.deadline, pool, watched)
             if isinstance(msg, wm.Reserved):
@@ -149,7 +169,7 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
                 policy.record(prompt, prefill)
                 use(prefill)
                 kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, settings.kv_timeout_s)
-                await pool.send(prefill, wm.Prefill(rid, prompt, sampling, kv))
+                await _send(pool, prefill, wm.Prefill(rid, prompt, sampling, kv))
                 first_dispatch(prefill)
                 continue
             if isinstance(msg, wm.Failed):
@@ -158,11 +178,10 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
                 raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{msg.stage} failed on {msg.worker_id}: {msg.reason}")
             if isinstance(msg, wm.TransferEnded):
                 if msg.state == "done":  # the prefill worker holds nothing more of this request
-                    involved.discard(msg.worker_id)
-                    watched.discard(msg.worker_id)
+                    done_with(msg.worker_id)
                 continue  # a failed transfer also reaches us as the decode worker's Failed
             if isinstance(msg, wm.FirstToken):
-                await pool.send(decode_worker, wm.StartDecode(rid, prompt, msg.token_id, sampling))
+                await _send(pool, decode_worker, wm.StartDecode(rid, prompt, msg.token_id, sampling))
                 new_ids, reason = [msg.token_id], None
                 if attempt == 0:
                     stream.num_cached = msg.num_cached_prompt_tokens
@@ -175,10 +194,11 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
             response = _respond(j, stream, new_ids, reason)
             if response is not None:
                 yield response
-            if stream.done:
+            if stream.ended:
                 return
     finally:
         pool.unsubscribe(rid)
+        pool.release(rid)
         if not stream.done or stream.stops.stopped:
             for worker in involved:  # cancel, deadline, error, lost worker or stop string: free every side
                 try:
@@ -201,6 +221,7 @@ def _respond(j: Journey, stream: _Stream, new_ids: list[int], reason: str | None
         text += stream.stops.push(stream.detok.flush())
         text += stream.stops.flush()
         reason = "stop" if stream.stops.stopped else reason
+    stream.ended = True
     stream.done = reason != "abort"
     return pb.GenerateResponse(
         request_id=j.request_id, text=text, token_ids=new_ids, finish_reason=FINISH[reason],
@@ -220,24 +241,33 @@ async def _choose(choose: Callable[[], str | None], j: Journey, wait_s: float, n
         await asyncio.sleep(0.1)
 
 
-async def _reserve(j, rid, prompt, pool, policy, settings, events, use, wait_s) -> str:
+async def _reserve(j, rid, prompt, pool, policy, settings, events, use, done_with, wait_s) -> str:
     """Reserves decode pages, retrying while every decode worker is full (backpressure)."""
     while True:
         worker = await _choose(lambda: policy.choose_decode(prompt, pool.loads("decode")), j, wait_s,
                                "no healthy decode worker")
         use(worker)
-        await pool.send(worker, wm.ReserveKV(rid, prompt, settings.lease_s))
-        msg = await _next(events, j.deadline, pool, {worker})
+        await _send(pool, worker, wm.ReserveKV(rid, prompt, settings.lease_s))
+        msg = await _next(events, j.deadline, pool, {worker: pool.incarnation(worker)})
         if isinstance(msg, wm.Reserved):
             events.put_nowait(msg)  # let the main loop act on it
             return worker
         if isinstance(msg, wm.Failed):
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT if msg.stage == "reserve" else grpc.StatusCode.UNAVAILABLE,
                               msg.reason)
+        done_with(worker)  # rejected: it holds nothing
         await asyncio.sleep(settings.reserve_retry_s)
 
 
-async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, watched: set[str],
+async def _send(pool: WorkerPool, worker: str, message: object) -> None:
+    """A command for an attempt; a worker that has left the pool (drained past its timeout) is lost."""
+    try:
+        await pool.send(worker, message)
+    except LookupError as exc:
+        raise WorkerLost(str(exc)) from None
+
+
+async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, watched: dict[str, str | None],
                 check_every_s: float = 0.25) -> object:
     """The next event for this request. Fails fast, instead of waiting out the deadline, when a
     worker holding part of the request stops sending heartbeats."""
@@ -251,3 +281,6 @@ async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, watche
             dead = sorted(w for w in watched if not pool.healthy(w))
             if dead:
                 raise WorkerLost(f"worker {', '.join(dead)} stopped responding (no heartbeat)") from None
+            replaced = sorted(w for w, incarnation in watched.items() if pool.incarnation(w) != incarnation)
+            if replaced:  # a new process under the old id knows nothing of this attempt
+                raise WorkerLost(f"worker {', '.join(replaced)} was replaced") from None

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from configs.hf_eos import id_tuple, merged_eos_ids
+
 
 class RouterTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
@@ -22,6 +24,7 @@ class RouterTokenizer:
         config_path = Path(model_dir) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.vocab_size = int(config.get("vocab_size") or self._tok.get_vocab_size(with_added_tokens=True))
+        self.eos_token_ids = merged_eos_ids(id_tuple(config.get("eos_token_id")), model_dir)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

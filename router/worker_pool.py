@@ -39,7 +39,7 @@ class WorkerPool:
         self.endpoints: dict[str, WorkerEndpoint] = {}
         self._commands: dict[str, zmq.asyncio.Socket] = {}
         self._draining: set[str] = set()
-        self._requests: dict[str, set[str]] = {}  # worker id -> ids of requests it takes part in
+        self._requests: dict[str, set[str]] = {}  # worker id -> ids of request attempts it takes part in
         for e in endpoints:
             self.add(e)
         self._events = self._ctx.socket(zmq.PULL)
@@ -90,9 +90,18 @@ class WorkerPool:
     def involve(self, request_id: str, worker_id: str) -> None:
         self._requests.setdefault(worker_id, set()).add(request_id)
 
+    def uninvolve(self, request_id: str, worker_id: str) -> None:
+        """`worker_id` holds nothing more of `request_id` (its transfer is done, or it refused)."""
+        self._requests.get(worker_id, set()).discard(request_id)
+
     def release(self, request_id: str) -> None:
         for ids in self._requests.values():
             ids.discard(request_id)
+
+    def incarnation(self, worker_id: str) -> str | None:
+        """Which process behind `worker_id` sent the last heartbeat (None before the first)."""
+        load = self._loads.get(worker_id)
+        return None if load is None else load.incarnation
 
     def in_flight(self, worker_id: str) -> int:
         return len(self._requests.get(worker_id, ()))
@@ -130,7 +139,10 @@ class WorkerPool:
 
     # -- messaging ------------------------------------------------------------------------------
     async def send(self, worker_id: str, message: object) -> None:
-        await self._commands[worker_id].send(wm.encode(message))
+        sock = self._commands.get(worker_id)
+        if sock is None:
+            raise LookupError(f"worker {worker_id} has left the pool")
+        await sock.send(wm.encode(message))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from cluster.local_cluster import LocalCluster
+from cluster.worker_host import WorkerHost
 from configs import EngineConfig
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
@@ -100,5 +101,51 @@ def test_a_worker_dies_at_each_stage(tiny_dir, expected, stage):
             assert not isinstance(got, grpc.RpcError), f"req-{i}: {got.code()} {got.details()}"
             assert got == expected[i], f"req-{i}"
         cluster.wait_pages_free()
+    finally:
+        cluster.close()
+
+
+def test_a_worker_replaced_faster_than_the_heartbeat_timeout_is_noticed(tiny_dir, expected):
+    """The decode worker dies mid-stream and a new process takes its id and ports at once, so
+    heartbeats never pause: the new incarnation in its heartbeats tells the router that the
+    request's state is gone, and the request is resumed (on the replacement) long before the
+    heartbeat timeout or the deadline."""
+    hooks = {"decode-0": crash_once("decode", wm.Tokens, "before", 2)["decode-0"]}
+    cluster = LocalCluster(tiny_dir, "disaggregated", ENGINE, crash_when=hooks, heartbeat_timeout_s=30.0)
+    old = next(h for h in cluster.hosts if h.worker_id == "decode-0")
+    try:
+        req = pb.GenerateRequest(request_id=TARGET, token_ids=pb.TokenIds(ids=PROMPTS[3]),
+                                 sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        call = cluster.stub.Generate(req, timeout=60)
+        start = time.monotonic()
+        got = list(next(iter(call)).token_ids)
+        while not old.crashed:
+            time.sleep(0.01)
+        host, port = old.command_address.rsplit(":", 1)
+        fresh = WorkerHost("decode", "decode-0", ENGINE, host, int(port), old._router_event_address,
+                           kv_port=old._kv_port, kv_checksum=True)
+        fresh.start()
+        cluster.hosts.append(fresh)  # closed (and its pages checked) with the cluster
+        got += [t for r in call for t in r.token_ids]
+        assert got == expected[3]
+        assert time.monotonic() - start < 15  # not the 30 s heartbeat timeout, not the 60 s deadline
+        cluster.wait_pages_free()
+    finally:
+        cluster.close()
+
+
+def test_a_stream_that_already_ended_is_finished_not_retried(tiny_dir, expected):
+    """max_tokens=1: the client has its only token when the decode worker dies before reporting
+    the finish; the router finishes the stream itself (length) instead of asking for 0 tokens."""
+    hooks = {"decode-0": crash_once("decode", wm.Tokens, "before", 1)["decode-0"]}
+    cluster = LocalCluster(tiny_dir, "disaggregated", ENGINE, crash_when=hooks, heartbeat_timeout_s=1.0,
+                           retry_wait_s=0.5)
+    try:
+        req = pb.GenerateRequest(request_id=TARGET, token_ids=pb.TokenIds(ids=PROMPTS[0]),
+                                 sampling=pb.SamplingParams(max_tokens=1, ignore_eos=True))
+        last = list(cluster.stub.Generate(req, timeout=60))[-1]
+        assert list(last.token_ids) in ([], expected[0][:1])
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 1
+        assert any(h.crashed for h in cluster.hosts)
     finally:
         cluster.close()
