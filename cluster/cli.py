@@ -102,13 +102,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
     pools = PoolManager(cluster, start_timeout_s=args.timeout, on_change=write_targets)
     control = ControlServer(pools, f"{config.router.host}:{config.router.control_port}")
     supervising = threading.Event()
+    threads = []
     try:
         control.start()
-        pools.supervise(supervising, say=lambda line: print(line, flush=True))
+        threads.append(pools.supervise(supervising, say=lambda line: print(line, flush=True)))
         if any(getattr(config, role) is not None and getattr(config, role).autoscaling is not None
                for role in ("prefill", "decode", "colocated")):
-            Autoscaler(pools, say=lambda line: print(line, flush=True)).run(supervising)
+            threads.append(Autoscaler(pools, say=lambda line: print(line, flush=True)).run(supervising))
     except BaseException:
+        supervising.set()
         cluster.shutdown()
         state.unlink(missing_ok=True)
         targets.unlink(missing_ok=True)
@@ -125,6 +127,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         supervising.set()
         control.close()
+        for thread in threads:  # a round in progress finishes; shutdown then marks the cluster closed
+            thread.join(10)
         cluster.shutdown()
         state.unlink(missing_ok=True)
         targets.unlink(missing_ok=True)

@@ -40,6 +40,7 @@ class RunningCluster:
     grpc_address: str
     owns_ray: bool
     lock: threading.RLock = field(default_factory=threading.RLock)
+    closed: bool = False  # set by shutdown: the supervisor and autoscaler start nothing after it
 
     @property
     def workers(self) -> dict[str, object]:
@@ -57,6 +58,7 @@ class RunningCluster:
         import ray
 
         with self.lock:
+            self.closed = True
             try:
                 ray.get(self.router.stop.remote(), timeout=10)
             except Exception:  # noqa: BLE001 - the actor may already be gone; kill regardless
@@ -94,6 +96,7 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
     owns_ray = _init_ray(config)
     host = worker_host(config)
     slots: dict[str, WorkerSlot] = {}
+    router = None
     try:
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(config, role)
@@ -128,6 +131,8 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
         say(f"router: serving gRPC on {host}:{config.router.grpc_port}"
             + (f", OpenAI-compatible HTTP on {host}:{config.router.http_port}" if config.router.http_port else ""))
     except BaseException:
+        if router is not None:  # on a joined Ray cluster a named router left behind blocks the next `up`
+            ray.kill(router)
         for slot in slots.values():
             slot.kill()
         if owns_ray:

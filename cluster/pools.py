@@ -56,28 +56,37 @@ class PoolManager:
                              f"(raise {role}.max_workers in the config to allow more)")
         added, removed = [], []
         with self.cluster.lock:
+            if self.cluster.closed:
+                raise ScaleError("the cluster is shutting down")
             before = self.targets[role]
             self.targets[role] = size
             indices = self._indices(role)
             new = [i for i in range(pool.worker_limit) if i not in indices][: max(0, size - len(indices))]
-            slots = [start_worker(config, role, i, self.start_timeout_s) for i in new]
+            slots = []
             try:
+                for i in new:
+                    slots.append(start_worker(config, role, i, self.start_timeout_s))
                 for wid, address in wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say).items():
                     next(s for s in slots if s.worker_id == wid).resolve(address)
+                for s in slots:
+                    ray.get(self.cluster.router.add_worker.remote(s.endpoint()), timeout=30)
+                    self.cluster.slots[s.worker_id] = s
+                    added.append(s.worker_id)
             except BaseException:
                 for s in slots:
-                    s.kill()
-                self.targets[role] = before  # the supervisor must not keep retrying what failed
+                    if s.worker_id not in added:
+                        s.kill()
+                self.targets[role] = before + len(added)  # the supervisor must not keep retrying what failed
                 raise
-            for s in slots:
-                self.cluster.slots[s.worker_id] = s
-                ray.get(self.cluster.router.add_worker.remote(s.endpoint()), timeout=30)
-                added.append(s.worker_id)
             for i in sorted(indices, reverse=True)[: max(0, len(indices) - size)]:
                 slot = self.cluster.slots[f"{role}-{i}"]
                 say(f"{slot.worker_id}: draining")
-                left = ray.get(self.cluster.router.drain_worker.remote(slot.worker_id, drain_timeout_s),
-                               timeout=drain_timeout_s + 30)
+                try:
+                    left = ray.get(self.cluster.router.drain_worker.remote(slot.worker_id, drain_timeout_s),
+                                   timeout=drain_timeout_s + 30)
+                except BaseException:
+                    self.targets[role] = len(self._indices(role))  # this one stays: keep the target true
+                    raise
                 slot.stop()
                 del self.cluster.slots[slot.worker_id]
                 removed.append({"worker_id": slot.worker_id, "cut_off_requests": left})
@@ -92,6 +101,8 @@ class PoolManager:
         import ray
 
         with self.cluster.lock:
+            if self.cluster.closed:
+                return []
             slots = list(self.cluster.slots.values())
             alive = [slot.actor.alive.remote() for slot in slots]
             for slot, ref in zip(slots, alive):
@@ -126,15 +137,17 @@ class PoolManager:
             if pool is None or len(indices) >= self.targets[role]:
                 continue
             for i in [i for i in range(pool.worker_limit) if i not in indices][: self.targets[role] - len(indices)]:
-                fresh = start_worker(self.cluster.config, role, i, self.start_timeout_s)
+                fresh = None
                 try:
+                    fresh = start_worker(self.cluster.config, role, i, self.start_timeout_s)
                     fresh.resolve(wait_ready({fresh.worker_id: fresh.actor}, self.start_timeout_s, say)[fresh.worker_id])
-                except BaseException as exc:  # noqa: BLE001 - try again on the next round
-                    fresh.kill()
-                    say(f"{fresh.worker_id}: start failed ({exc}); will retry")
+                    ray.get(self.cluster.router.add_worker.remote(fresh.endpoint()), timeout=30)  # same or new address
+                except Exception as exc:  # noqa: BLE001 - try again on the next round
+                    if fresh is not None:
+                        fresh.kill()
+                    say(f"{role}-{i}: start failed ({exc}); will retry")
                     continue
                 self.cluster.slots[fresh.worker_id] = fresh
-                ray.get(self.cluster.router.add_worker.remote(fresh.endpoint()), timeout=30)  # same or new address
                 started.append(fresh.worker_id)
         return started
 
@@ -156,8 +169,7 @@ class PoolManager:
         """Pools, workers (node, placement, health, queue, KV usage) as the router and the actors see them."""
         import ray
 
-        with self.cluster.lock:
-            slots = dict(self.cluster.slots)
+        slots = dict(self.cluster.slots)  # a snapshot without the lock: status answers during a long resize
         router = ray.get(self.cluster.router.view.remote(), timeout=30)
         seen = {w["worker_id"]: w for w in router["workers"]}
         states = {}

@@ -51,7 +51,8 @@ class WorkerSlot:
         import ray
 
         for actor in [self.actor, *self.shards]:
-            ray.kill(actor)
+            if actor is not None:
+                ray.kill(actor)
         if self.group is not None:
             self.group.remove()
             self.group = None
@@ -107,20 +108,25 @@ def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float)
         metrics = {"port": pool.metrics_base_port + index, "peak_tflops": pool.peak_tflops,
                    "peak_memory_bandwidth_gbps": pool.peak_memory_bandwidth_gbps}
     placement, shards, group = {}, [], None
-    if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each
-        group = place_worker_group(pool, worker_id, timeout_s)
-        store_host = host if host != NODE_IP else _bundle_node_ip(group)
-        kv["shard_store_address"] = f"{store_host}:{pool.shard_base_port + index}"
-        placement = {"scheduling_strategy": group.strategy(0)}
-        shards = [ShardActor.options(
-            name=f"pdserve-{worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
-            num_gpus=pool.num_gpus_per_worker, resources=dict(pool.resources_per_worker),
-            scheduling_strategy=group.strategy(rank),
-        ).remote(worker_id, rank, engine, kv["shard_store_address"]) for rank in range(1, pool.engine.world_size)]
-    command_address = f"{host}:{pool.base_port + index}"
-    actor = WorkerActor.options(
-        name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
-        resources=dict(pool.resources_per_worker), **placement,
-    ).remote(role, worker_id, engine, host, pool.base_port + index, f"{router_host}:{config.router.worker_event_port}",
-             kv, metrics, config.logging.model_dump())
+    try:
+        if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each
+            group = place_worker_group(pool, worker_id, timeout_s)
+            store_host = host if host != NODE_IP else _bundle_node_ip(group)
+            kv["shard_store_address"] = f"{store_host}:{pool.shard_base_port + index}"
+            placement = {"scheduling_strategy": group.strategy(0)}
+            for rank in range(1, pool.engine.world_size):
+                shards.append(ShardActor.options(
+                    name=f"pdserve-{worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
+                    num_gpus=pool.num_gpus_per_worker, resources=dict(pool.resources_per_worker),
+                    scheduling_strategy=group.strategy(rank),
+                ).remote(worker_id, rank, engine, kv["shard_store_address"]))
+        command_address = f"{host}:{pool.base_port + index}"
+        actor = WorkerActor.options(
+            name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
+            resources=dict(pool.resources_per_worker), **placement,
+        ).remote(role, worker_id, engine, host, pool.base_port + index,
+                 f"{router_host}:{config.router.worker_event_port}", kv, metrics, config.logging.model_dump())
+    except BaseException:
+        WorkerSlot(worker_id, role, index, None, "", shards, group).kill()  # what was made so far
+        raise
     return WorkerSlot(worker_id, role, index, actor, command_address, shards, group)
