@@ -54,29 +54,16 @@ class PoolManager:
         if not 1 <= size <= pool.worker_limit:
             raise ScaleError(f"{role}: {size} workers is outside 1..{pool.worker_limit} "
                              f"(raise {role}.max_workers in the config to allow more)")
-        added, removed = [], []
+        removed = []
         with self.cluster.lock:
             if self.cluster.closed:
                 raise ScaleError("the cluster is shutting down")
-            before = self.targets[role]
             self.targets[role] = size
             indices = self._indices(role)
-            new = [i for i in range(pool.worker_limit) if i not in indices][: max(0, size - len(indices))]
-            slots = []
             try:
-                for i in new:
-                    slots.append(start_worker(config, role, i, self.start_timeout_s))
-                for wid, address in wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say).items():
-                    next(s for s in slots if s.worker_id == wid).resolve(address)
-                for s in slots:
-                    ray.get(self.cluster.router.add_worker.remote(s.endpoint()), timeout=30)
-                    self.cluster.slots[s.worker_id] = s
-                    added.append(s.worker_id)
+                added = self._join(role, self._free_indices(role, size - len(indices)), say)
             except BaseException:
-                for s in slots:
-                    if s.worker_id not in added:
-                        s.kill()
-                self.targets[role] = before + len(added)  # the supervisor must not keep retrying what failed
+                self.targets[role] = len(self._indices(role))  # the supervisor must not keep retrying what failed
                 raise
             for i in sorted(indices, reverse=True)[: max(0, len(indices) - size)]:
                 slot = self.cluster.slots[f"{role}-{i}"]
@@ -126,30 +113,46 @@ class PoolManager:
         return started
 
     def _restart_missing(self, say) -> list[str]:
-        """Starts workers until each pool is back at its target size; one that fails to start
-        is tried again on the next round."""
-        import ray
-
+        """Starts workers until each pool is back at its target size; what fails to start is
+        tried again on the next round."""
         started = []
         for role in ROLES:
-            pool = getattr(self.cluster.config, role, None)
-            indices = self._indices(role)
-            if pool is None or len(indices) >= self.targets[role]:
+            missing = self.targets[role] - len(self._indices(role))
+            if getattr(self.cluster.config, role, None) is None or missing <= 0:
                 continue
-            for i in [i for i in range(pool.worker_limit) if i not in indices][: self.targets[role] - len(indices)]:
-                fresh = None
-                try:
-                    fresh = start_worker(self.cluster.config, role, i, self.start_timeout_s)
-                    fresh.resolve(wait_ready({fresh.worker_id: fresh.actor}, self.start_timeout_s, say)[fresh.worker_id])
-                    ray.get(self.cluster.router.add_worker.remote(fresh.endpoint()), timeout=30)  # same or new address
-                except Exception as exc:  # noqa: BLE001 - try again on the next round
-                    if fresh is not None:
-                        fresh.kill()
-                    say(f"{role}-{i}: start failed ({exc}); will retry")
-                    continue
-                self.cluster.slots[fresh.worker_id] = fresh
-                started.append(fresh.worker_id)
+            try:
+                started += self._join(role, self._free_indices(role, missing), say)
+            except Exception as exc:  # noqa: BLE001 - try again on the next round
+                say(f"{role}: start failed ({exc}); will retry")
         return started
+
+    def _free_indices(self, role: str, count: int) -> list[int]:
+        """The lowest `count` indices (each its own ports) no running worker of `role` has."""
+        taken = self._indices(role)
+        limit = getattr(self.cluster.config, role).worker_limit
+        return [i for i in range(limit) if i not in taken][: max(0, count)]
+
+    def _join(self, role: str, indices: list[int], say) -> list[str]:
+        """Starts workers at `indices`, waits until they are ready, tells the router, records
+        them. On failure, kills those not yet recorded and raises. Caller holds the lock."""
+        import ray
+
+        slots, added = [], []
+        try:
+            for i in indices:
+                slots.append(start_worker(self.cluster.config, role, i, self.start_timeout_s))
+            for wid, address in wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say).items():
+                next(s for s in slots if s.worker_id == wid).resolve(address)
+            for s in slots:
+                ray.get(self.cluster.router.add_worker.remote(s.endpoint()), timeout=30)  # same or new address
+                self.cluster.slots[s.worker_id] = s
+                added.append(s.worker_id)
+        except BaseException:
+            for s in slots:
+                if s.worker_id not in added:
+                    s.kill()
+            raise
+        return added
 
     def supervise(self, stop: threading.Event, every_s: float = 2.0, say=log.warning) -> threading.Thread:
         """Runs `replace_dead` every `every_s` on a thread until `stop` is set."""
