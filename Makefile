@@ -7,9 +7,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install demo test bench clean
+.PHONY: install kernels demo test bench clean
 
-install: $(STAMP)
+install: $(STAMP) kernels
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# The compiled CPU attention kernel: built once per source and CPU (about a minute), then cached.
+kernels: $(STAMP)
+	$(BIN)/python -m kernels.cpu_ops
 
 demo: install
 	$(BIN)/pdserve demo configs/local.yaml "$(PROMPT)" --max-tokens 48

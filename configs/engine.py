@@ -27,7 +27,7 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(64, ge=1, description="sequences in one step's batch at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (chunked prefill)")
     enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length")
     cache_dir: str | None = Field(None, description="where built-in models are written; default ~/.cache/pdserve")
     # One worker spans tensor_parallel_size x pipeline_parallel_size processes (engine/parallel.py);

@@ -1,8 +1,10 @@
 """Paged attention for one layer: store this step's K/V into the cache, then attend over it.
 
 Called by each decoder layer of engine/models/llama.py with the step's ForwardBatch. The
-backend is chosen once per engine: `torch` (kernels/reference.py, the CPU path) or `triton`
-(the kernels/ Triton kernels, the GPU path). Both take identical arguments.
+backend is chosen once per engine: `cpu` (the compiled kernels/cpu_ops.py: the whole mixed
+batch in one call that reads pages in place; the CPU serving path), `torch` (kernels/reference.py:
+the oracle, and the CPU fallback where no compiler is at hand) or `triton` (the kernels/ Triton
+kernels, the GPU path). All take identical arguments.
 """
 
 from __future__ import annotations
@@ -16,11 +18,20 @@ from kernels import reference
 
 
 class AttentionBackend:
-    """The three cache ops, taken from one implementation module each."""
+    """The cache ops, taken from one implementation module each. `mixed_attention`, where set,
+    attends decodes and prefill chunks of one step in a single call."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        if name == "torch":
+        self.mixed_attention = None
+        if name == "cpu":
+            from kernels import cpu_ops
+
+            if cpu_ops.load() is None:
+                raise RuntimeError(f"attention_backend 'cpu' is unavailable: {cpu_ops.load_error()}")
+            store, decode, prefill = cpu_ops, reference, reference
+            self.mixed_attention = cpu_ops.paged_attention
+        elif name == "torch":
             store: ModuleType = reference
             decode: ModuleType = reference
             prefill: ModuleType = reference
@@ -29,13 +40,14 @@ class AttentionBackend:
             from kernels import triton_prefill_attention as prefill
             from kernels import triton_store_kv as store
         else:
-            raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
+            raise ValueError(f"unknown attention backend {name!r}; choose 'cpu', 'torch' or 'triton'")
         self.store_kv = store.store_kv
         self.paged_decode_attention = decode.paged_decode_attention
         self.paged_prefill_attention = prefill.paged_prefill_attention
-        # A whole prompt with nothing cached before it has all its K/V in hand, so the torch
-        # path skips the gather from pages; the Triton kernels read pages at full speed anyway.
-        self.fresh_prompt_attention = reference.fresh_prompt_attention if name == "torch" else None
+        # A whole prompt with nothing cached before it has all its K/V in hand: torch's fused
+        # SDPA over them beats reading them back from pages on CPU; the Triton kernels read
+        # pages at full speed anyway.
+        self.fresh_prompt_attention = reference.fresh_prompt_attention if name != "triton" else None
 
 
 def paged_attention(
@@ -51,12 +63,15 @@ def paged_attention(
     backend.store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
     num_decode = batch.num_decode_seqs
     num_seqs = batch.num_seqs
+    if backend.fresh_prompt_attention is not None and _is_fresh_single_prompt(batch):
+        return backend.fresh_prompt_attention(query, key, value, scale)
+    if backend.mixed_attention is not None:
+        return backend.mixed_attention(query, k_cache, v_cache, batch.page_table, batch.query_start_loc,
+                                       batch.context_lens, scale)
     if num_decode == num_seqs:
         return backend.paged_decode_attention(
             query, k_cache, v_cache, batch.page_table, batch.context_lens, scale
         )
-    if backend.fresh_prompt_attention is not None and _is_fresh_single_prompt(batch):
-        return backend.fresh_prompt_attention(query, key, value, scale)
     out = torch.empty_like(query)
     if num_decode:
         out[:num_decode] = backend.paged_decode_attention(

@@ -7,10 +7,12 @@ count from the same config, so page ids chosen by the driver mean the same slots
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from configs.engine import EngineConfig
+from kernels import cpu_ops
 from engine.attention import AttentionBackend
 from engine.kv_cache import KVCache
 from engine.layers import ParallelContext
@@ -20,6 +22,9 @@ from engine.models.llama import LlamaForCausalLM
 from engine.parallel import ShardGroup, ShardLayout
 
 
+log = logging.getLogger(__name__)
+
+
 @dataclass
 class ModelShard:
     model: LlamaForCausalLM
@@ -27,10 +32,25 @@ class ModelShard:
     num_pages: int
 
 
-def attention_backend(config: EngineConfig) -> AttentionBackend:
+def attention_backend(config: EngineConfig, head_dim: int) -> AttentionBackend:
+    """`auto`: the Triton kernels on GPU; on CPU the compiled kernel, or the torch ops (with a
+    warning saying why) where it cannot be built or has no build for this head size."""
     name = config.attention_backend
+    if name == "cpu" and head_dim not in cpu_ops.HEAD_DIMS:
+        raise ValueError(f"attention_backend 'cpu' has no kernel for head_dim {head_dim} "
+                         f"(built for {cpu_ops.HEAD_DIMS}); use 'auto' or 'torch'")
     if name == "auto":
-        name = "triton" if config.device.startswith("cuda") else "torch"
+        if config.device.startswith("cuda"):
+            name = "triton"
+        elif head_dim not in cpu_ops.HEAD_DIMS:
+            log.info("head_dim %d has no compiled CPU kernel; attention runs on the torch path", head_dim)
+            name = "torch"
+        elif cpu_ops.load() is not None:
+            name = "cpu"
+        else:
+            log.warning("the compiled CPU attention kernel is unavailable, serving on the slower torch "
+                        "path: %s", cpu_ops.load_error())
+            name = "torch"
     return AttentionBackend(name)
 
 
@@ -51,7 +71,7 @@ def load_shard(config: EngineConfig, model_path: Path, layout: ShardLayout, grou
     layers = layout.stage_layers(cfg.num_layers)
     ctx = ParallelContext(layout.tp_rank, layout.tp_size, group)
     dtype = DTYPES[config.dtype]
-    model = load_model(model_path, dtype, config.device, attention_backend(config), ctx, layers)
+    model = load_model(model_path, dtype, config.device, attention_backend(config, cfg.head_dim), ctx, layers)
     num_pages = num_pages_for(config, cfg, layout)
     kv_cache = KVCache(cfg, num_pages, config.page_size, dtype, config.device,
                        num_kv_heads=cfg.num_kv_heads // layout.tp_size, layers=layers)

@@ -57,8 +57,15 @@ def test_single_prompt_matches_hf(llm, hf_tiny):
     assert_no_page_leak(llm.engine)
 
 
-def test_staggered_batch_of_mixed_lengths_matches_hf(hf_tiny):
-    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=512))
+# `auto` on CPU is the compiled kernel (kernels/cpu_ops.py); `torch` is its fallback path.
+CPU_BACKENDS = ["auto", "torch"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_staggered_batch_of_mixed_lengths_matches_hf(hf_tiny, backend):
+    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=512,
+                                    attention_backend=backend))
+    assert engine.model.backend.name == ("cpu" if backend == "auto" else backend)
     prompts = {f"r{i}": prompt_ids(engine, n, i) for i, n in enumerate([3, 250, 17, 64, 1, 129])}
     arrivals = {0: [("r0", prompts["r0"]), ("r1", prompts["r1"])], 2: [("r2", prompts["r2"])],
                 5: [("r3", prompts["r3"]), ("r4", prompts["r4"])], 11: [("r5", prompts["r5"])]}
@@ -69,8 +76,10 @@ def test_staggered_batch_of_mixed_lengths_matches_hf(hf_tiny):
     assert_no_page_leak(engine)
 
 
-def test_chunked_prefill_matches_hf(hf_tiny):
-    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=16, max_num_batched_tokens=48, max_num_seqs=8))
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_chunked_prefill_matches_hf(hf_tiny, backend):
+    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
+                                    attention_backend=backend))
     prompts = {"long": prompt_ids(engine, 301, 1), "longer": prompt_ids(engine, 450, 2)}
     finished = run_to_completion(engine, {0: list(prompts.items())})
     # 751 prompt tokens under a 48-token budget need at least 16 prefill steps.

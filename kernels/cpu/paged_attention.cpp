@@ -1,0 +1,309 @@
+// CPU paged attention that reads K/V pages in place, and the fused KV store.
+//
+// Built at first use by kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 for this machine's
+// instruction set); kernels/reference.py holds the torch oracle with the same arguments.
+//
+// Cache layout (as everywhere in kernels/): k_cache, v_cache [num_pages, page_size, kv_heads, d].
+// One op serves decode rows and prefill chunks in one mixed batch: query token i of sequence b
+// sits at position context_lens[b] - q_len_b + i and sees keys 0..position (cached prefix pages,
+// earlier chunks and its own chunk alike).
+//
+// Work is split into items (sequence, kv head, tile of up to kQTile query tokens); an item
+// takes all `group` query heads that share its KV head, so each K/V page is read once per
+// item (GQA-aware). Threads pull items from one atomic counter, because causal prefill tiles
+// differ in cost and a static split would leave a core idle.
+//
+// Per item: queries are scaled and widened to fp32 once; pass 1 walks the pages, transposes
+// each K page into a [d, page_size] fp32 tile so the dot products vectorise across keys with
+// no horizontal sums; an exact softmax per row (fp32); pass 2 walks the pages again and adds
+// p * v rows (vectorised across d). Nothing is gathered or padded.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQTile = 16;  // query tokens per work item: bounds the score buffer, feeds both cores
+
+// Eight fp32 lanes (one AVX2 register; two SSE ones elsewhere): the compiler's vector type,
+// so the code is portable and still keeps accumulators in registers.
+typedef float v8f __attribute__((vector_size(32)));
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v8f load8(const c10::BFloat16* p) {  // bf16 is the high half of an fp32
+  uint16_t bits[8];
+  std::memcpy(bits, p, sizeof(bits));
+  uint32_t wide[8];
+  for (int i = 0; i < 8; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
+  v8f v;
+  std::memcpy(&v, wide, sizeof(v));
+  return v;
+}
+inline v8f load8(const c10::Half* p) {
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+inline float hsum(v8f v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+struct Item {
+  int64_t seq;
+  int64_t q_begin;  // packed token index of the tile's first query
+  int64_t q_end;
+};
+
+// One work item with NV = head_dim / 8 vectors per row (a template, so rows live in registers).
+template <typename scalar_t, int NV>
+void attend_item(const Item& it, int64_t kvh, const scalar_t* q, int64_t q_tok_stride, int64_t q_head_stride,
+                 const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* page_table,
+                 int64_t table_stride, const int32_t* query_start_loc, const int32_t* context_lens,
+                 scalar_t* out, int64_t group, int64_t page_size, int64_t kv_heads, float scale,
+                 std::vector<v8f>& qf, std::vector<float>& scores, std::vector<v8f>& acc,
+                 std::vector<int64_t>& limits) {
+  constexpr int64_t d = NV * 8;
+  const int64_t n_q = it.q_end - it.q_begin;
+  const int64_t rows = n_q * group;
+  const int64_t seq_begin = query_start_loc[it.seq];
+  const int64_t q_len = query_start_loc[it.seq + 1] - seq_begin;
+  const int64_t first_pos = static_cast<int64_t>(context_lens[it.seq]) - q_len;
+  // Keys visible to the tile's last query; row r (query r / group) sees limits[r] keys.
+  const int64_t kv_end = first_pos + (it.q_end - seq_begin);
+  const int64_t tok_stride = kv_heads * d;  // between consecutive tokens of a page
+  const int64_t page_stride = page_size * tok_stride;
+  const int32_t* pages = page_table + it.seq * table_stride;
+
+  qf.resize(rows * NV);
+  scores.resize(rows * kv_end);
+  acc.assign(rows * NV, v8f{});
+  limits.resize(rows);
+  for (int64_t qi = 0; qi < n_q; ++qi) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = qi * group + g;
+      const scalar_t* src = q + (it.q_begin + qi) * q_tok_stride + (kvh * group + g) * q_head_stride;
+      for (int c = 0; c < NV; ++c) qf[r * NV + c] = load8(src + 8 * c) * scale;
+      limits[r] = first_pos + (it.q_begin - seq_begin) + qi + 1;
+    }
+  }
+
+  // Pass 1: scores[r, t] = q_r . k_t; each key row is widened once into registers and dotted
+  // with every row that can see it.
+  const int64_t num_pages = (kv_end + page_size - 1) / page_size;
+  for (int64_t p = 0; p < num_pages; ++p) {
+    const int64_t t0 = p * page_size;
+    const int64_t n = std::min(page_size, kv_end - t0);
+    const scalar_t* kp = k_cache + static_cast<int64_t>(pages[p]) * page_stride + kvh * d;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t t = t0 + j;
+      v8f k[NV];
+      for (int c = 0; c < NV; ++c) k[c] = load8(kp + j * tok_stride + 8 * c);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (limits[r] <= t) continue;  // causal: this key is in the row's future
+        const v8f* qr = qf.data() + r * NV;
+        v8f s0 = qr[0] * k[0];
+        v8f s1 = NV > 1 ? qr[1] * k[1] : v8f{};
+        for (int c = 2; c + 1 < NV; c += 2) {
+          s0 += qr[c] * k[c];
+          s1 += qr[c + 1] * k[c + 1];
+        }
+        if (NV > 2 && NV % 2) s0 += qr[NV - 1] * k[NV - 1];
+        scores[r * kv_end + t] = hsum(s0 + s1);
+      }
+    }
+  }
+
+  // Exact softmax per row over its visible keys (unnormalised; divided at the end).
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores.data() + r * kv_end;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < limits[r]; ++t) m = std::max(m, s[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < limits[r]; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    qf[r * NV][0] = 1.f / sum;  // the query is no longer needed: keep the normaliser there
+  }
+
+  // Pass 2: out_r = sum_t p[r, t] * v_t; a page's V rows stay in L1 while every row takes them.
+  for (int64_t p = 0; p < num_pages; ++p) {
+    const int64_t t0 = p * page_size;
+    const int64_t n = std::min(page_size, kv_end - t0);
+    const scalar_t* vp = v_cache + static_cast<int64_t>(pages[p]) * page_stride + kvh * d;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = std::min(n, limits[r] - t0);
+      if (m <= 0) continue;
+      const float* w = scores.data() + r * kv_end + t0;
+      v8f a[NV];
+      for (int c = 0; c < NV; ++c) a[c] = acc[r * NV + c];
+      for (int64_t j = 0; j < m; ++j) {
+        const scalar_t* vrow = vp + j * tok_stride;
+        for (int c = 0; c < NV; ++c) a[c] += w[j] * load8(vrow + 8 * c);
+      }
+      for (int c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
+    }
+  }
+
+  const int64_t heads = kv_heads * group;
+  for (int64_t qi = 0; qi < n_q; ++qi) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = qi * group + g;
+      const float inv = qf[r * NV][0];
+      scalar_t* dst = out + ((it.q_begin + qi) * heads + kvh * group + g) * d;
+      for (int c = 0; c < NV; ++c) {
+        const v8f o = acc[r * NV + c] * inv;
+        for (int x = 0; x < 8; ++x) dst[8 * c + x] = static_cast<scalar_t>(o[x]);
+      }
+    }
+  }
+}
+
+// Threads pull (tile, kv head) items from one counter until none is left.
+template <typename scalar_t, int NV>
+void run_items(const std::vector<Item>& tiles, const torch::Tensor& query, const torch::Tensor& k_cache,
+               const torch::Tensor& v_cache, const torch::Tensor& page_table, const int32_t* starts,
+               const int32_t* lens, torch::Tensor& out, int64_t group, double scale) {
+  const int64_t kv_heads = k_cache.size(2);
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * kv_heads;
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<v8f> qf, acc;
+    std::vector<float> scores;
+    std::vector<int64_t> limits;
+    for (int64_t i = next++; i < num_items; i = next++) {
+      attend_item<scalar_t, NV>(tiles[i / kv_heads], i % kv_heads, q, query.stride(0), query.stride(1), kc, vc,
+                                table, page_table.size(1), starts, lens, o, group, k_cache.size(1), kv_heads,
+                                static_cast<float>(scale), qf, scores, acc, limits);
+    }
+  });
+}
+
+void check_cache(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be [num_pages, page_size, kv_heads, head_dim] and alike");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "query and cache must share a dtype");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query head_dim differs from the cache's");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of kv_heads");
+  TORCH_CHECK(query.stride(2) == 1, "query rows must be contiguous in head_dim");
+}
+
+// The cache dtypes served: fp32, bf16 and fp16 (kernels compute in fp32 whatever they read).
+template <typename F>
+void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
+  switch (type) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, what, ": dtype ", type, " is not served (float32, bfloat16, float16)");
+  }
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor page_table, torch::Tensor query_start_loc,
+                              torch::Tensor context_lens, double scale) {
+  check_cache(query, k_cache, v_cache);
+  TORCH_CHECK(page_table.scalar_type() == torch::kInt32 && query_start_loc.scalar_type() == torch::kInt32 &&
+                  context_lens.scalar_type() == torch::kInt32,
+              "page_table, query_start_loc and context_lens must be int32");
+  page_table = page_table.contiguous();
+  query_start_loc = query_start_loc.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && page_table.size(0) == num_seqs,
+              "page_table, query_start_loc and context_lens disagree on the number of sequences");
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3), page_size = k_cache.size(1);
+  const int64_t group = query.size(1) / kv_heads;
+  auto out = torch::empty({query.size(0), query.size(1), head_dim}, query.options());
+
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  TORCH_CHECK(starts[num_seqs] == query.size(0), "query_start_loc does not end at num_tokens");
+  std::vector<Item> tiles;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 0 && lens[b] >= q_len, "sequence ", b, " has more query tokens than context");
+    TORCH_CHECK((lens[b] + page_size - 1) / page_size <= page_table.size(1), "sequence ", b,
+                " has more context than its page table row covers");
+    for (int64_t q0 = starts[b]; q0 < starts[b + 1]; q0 += kQTile)
+      tiles.push_back({b, q0, std::min<int64_t>(q0 + kQTile, starts[b + 1])});
+  }
+  // Longest tiles (most keys) first, so the tail of the counter holds the cheap ones.
+  std::stable_sort(tiles.begin(), tiles.end(), [&](const Item& a, const Item& b) {
+    auto keys = [&](const Item& t) { return lens[t.seq] - (starts[t.seq + 1] - t.q_end); };
+    return keys(a) > keys(b);
+  });
+  if (tiles.empty()) return out;
+
+  dispatch_dtype(query.scalar_type(), "paged_attention", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    switch (head_dim) {  // keep in step with kernels/cpu_ops.py HEAD_DIMS
+#define PDSERVE_HEAD_DIM(D) \
+  case D: run_items<scalar_t, D / 8>(tiles, query, k_cache, v_cache, page_table, starts, lens, out, group, scale); break;
+      PDSERVE_HEAD_DIM(16) PDSERVE_HEAD_DIM(32) PDSERVE_HEAD_DIM(48) PDSERVE_HEAD_DIM(64)
+      PDSERVE_HEAD_DIM(80) PDSERVE_HEAD_DIM(96) PDSERVE_HEAD_DIM(128) PDSERVE_HEAD_DIM(256)
+#undef PDSERVE_HEAD_DIM
+      default: TORCH_CHECK(false, "head_dim ", head_dim, " has no compiled kernel");
+    }
+  });
+  return out;
+}
+
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [num_tokens, kv_heads, d]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key shape differs from the cache's");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be int64 [num_tokens]");
+  key = key.to(k_cache.scalar_type());
+  value = value.to(v_cache.scalar_type());
+  if (key.stride(2) != 1 || key.stride(1) != key.size(2)) key = key.contiguous();
+  if (value.stride(2) != 1 || value.stride(1) != value.size(2)) value = value.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row = k_cache.size(2) * k_cache.size(3);  // elements per token, heads contiguous
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < key.size(0); ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache's ", num_slots, " slots");
+  dispatch_dtype(k_cache.scalar_type(), "store_kv", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t ks = key.stride(0), vs = value.stride(0);
+    for (int64_t t = 0; t < key.size(0); ++t) {
+      if (slots[t] < 0) continue;  // a negative slot means "skip this token"
+      std::copy(k + t * ks, k + t * ks + row, kc + slots[t] * row);
+      std::copy(v + t * vs, v + t * vs + row, vc + slots[t] * row);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "causal paged attention over a mixed batch (pages read in place)");
+  m.def("store_kv", &store_kv, "scatter K/V rows into their cache slots");
+}

@@ -1,0 +1,114 @@
+"""The compiled CPU attention ops (kernels/cpu/paged_attention.cpp), built on first use.
+
+The CPU serving path of engine/attention.py: `paged_attention` attends a whole mixed batch
+(decode rows and prefill chunks) reading K/V pages in place, `store_kv` scatters a step's K/V
+into its slots; both take the arguments of their kernels/reference.py twins, which stay the
+oracle in tests and the fallback when no compiler is at hand.
+
+The extension is compiled once per source, torch version and CPU (`-O3 -march=native`, so a
+cache built on one processor is never loaded on another) into `PDSERVE_EXT_DIR` (default
+~/.cache/pdserve/ext). `load()` returns None, with the reason kept in `load_error()`, when the
+build fails; callers then use the torch ops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is compiled for
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+def _cpu_signature() -> str:
+    """What the compiled code depends on: the processor's flags and model, torch's version."""
+    flags = model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = line
+            elif line.startswith("model name") and not model:
+                model = line
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model}|{flags}|{torch.__version__}"
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("PDSERVE_EXT_DIR") or Path.home() / ".cache" / "pdserve" / "ext")
+    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_signature().encode()).hexdigest()[:16]
+    return root / digest
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled module (built here first if needed), or None if it cannot be built."""
+    global _module, _error
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            directory = build_dir()
+            directory.mkdir(parents=True, exist_ok=True)
+            _module = load_extension(
+                name="pdserve_cpu_attention",
+                sources=[str(SOURCE)],
+                build_directory=str(directory),
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                extra_ldflags=["-fopenmp"],
+                verbose=verbose,
+            )
+        except Exception as exc:  # a missing compiler or ninja: serve on the torch path instead
+            _error = f"{type(exc).__name__}: {exc}".strip()[:2000]
+        return _module
+
+
+def load_error() -> str | None:
+    """Why `load()` returned None (None if it has not failed)."""
+    return _error
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed back to back
+    k_cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,  # [num_seqs, max_pages] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of every query token over its sequence's pages, in one call."""
+    return _require().paged_attention(query, k_cache, v_cache, page_table, query_start_loc, context_lens, scale)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter each token's key/value into its slot (negative slots are skipped), in place."""
+    _require().store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _require() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the CPU attention extension could not be built: {_error}")
+    return module
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (the install step does)
+    import time
+
+    start = time.perf_counter()
+    built = load(verbose=False)
+    if built is None:
+        raise SystemExit(f"CPU attention extension not built: {_error}")
+    print(f"CPU attention extension ready in {build_dir()} ({time.perf_counter() - start:.1f} s)")

@@ -1,0 +1,132 @@
+"""The compiled CPU kernels (kernels/cpu_ops.py) vs the pure-torch oracle in kernels/reference.py.
+
+One call of `cpu_ops.paged_attention` covers a whole mixed batch (decodes, prefill chunks with
+and without cached context); the oracle runs the decode and prefill ops on the same slices.
+Pages are a shuffled, non-contiguous set, as the page manager hands them out.
+"""
+
+import pytest
+import torch
+
+from kernels import cpu_ops, reference
+
+if cpu_ops.load() is None:
+    pytest.skip(f"CPU extension unavailable: {cpu_ops.load_error()}", allow_module_level=True)
+
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+def _paged_batch(q_lens, ctx_lens, page_size, num_heads, num_kv_heads, head_dim, dtype, gen):
+    pages_per_seq = [(c + page_size - 1) // page_size for c in ctx_lens]
+    num_pages = sum(pages_per_seq) + 3  # spare pages that nobody owns
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    table = torch.full((len(ctx_lens), max(pages_per_seq) + 1), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    # The q-slice of a fused qkv output: strided rows, as the model passes it.
+    qkv = torch.randn(int(starts[-1]), num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    return qkv[:, :num_heads], k_cache, v_cache, table, starts, torch.tensor(ctx_lens, dtype=torch.int32)
+
+
+def _oracle(query, k_cache, v_cache, table, starts, lens, num_decode, scale):
+    out = torch.empty_like(query)
+    if num_decode:
+        out[:num_decode] = reference.paged_decode_attention(
+            query[:num_decode], k_cache, v_cache, table[:num_decode], lens[:num_decode], scale)
+    if num_decode < lens.shape[0]:
+        rest = starts[num_decode:]
+        out[int(rest[0]):] = reference.paged_prefill_attention(
+            query[int(rest[0]):], k_cache, v_cache, table[num_decode:], rest - rest[0], lens[num_decode:], scale)
+    return out
+
+
+@pytest.mark.parametrize(
+    "page_size,num_heads,num_kv_heads,head_dim,dtype",
+    [
+        (16, 12, 4, 64, torch.float32),  # builtin:small's shape
+        (4, 4, 4, 32, torch.float32),  # no GQA
+        (8, 8, 1, 128, torch.float32),  # multi-query
+        (16, 6, 2, 48, torch.float32),  # odd vector count per row
+        (16, 12, 4, 64, torch.bfloat16),
+        (32, 4, 2, 16, torch.float16),
+        (1, 4, 2, 64, torch.float32),  # one token per page
+    ],
+)
+def test_mixed_batch_matches_reference(page_size, num_heads, num_kv_heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(page_size * 1000 + head_dim)
+    # Three decodes (one at context 1), a fresh prompt longer than a query tile, a chunk after
+    # cached context, a one-token chunk after context.
+    q_lens = [1, 1, 1, 37, 20, 1]
+    ctx_lens = [1, 45, 130, 37, 83, 9]
+    num_decode = 3
+    query, k_cache, v_cache, table, starts, lens = _paged_batch(
+        q_lens, ctx_lens, page_size, num_heads, num_kv_heads, head_dim, dtype, gen)
+    scale = head_dim**-0.5
+    got = cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, lens, scale)
+    want = _oracle(query, k_cache, v_cache, table, starts, lens, num_decode, scale)
+    assert got.dtype == dtype and got.shape == query.shape
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_parallel_threads_give_the_same_result():
+    gen = torch.Generator().manual_seed(7)
+    query, k_cache, v_cache, table, starts, lens = _paged_batch(
+        [1] * 9 + [50], [300] * 9 + [70], 16, 12, 4, 64, torch.float32, gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, lens, 0.125)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # items are independent: no reduction order depends on threads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_reference_and_skips_negative_slots(dtype):
+    gen = torch.Generator().manual_seed(3)
+    shape = (6, 4, 2, 32)
+    key = torch.randn(5, 2, 32, generator=gen)  # float32 in: stored in the cache's dtype
+    value = torch.randn(5, 2, 32, generator=gen)
+    slots = torch.tensor([0, 7, -1, 23, 12], dtype=torch.int64)
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(4)]
+    cpu_ops.store_kv(key, value, caches[0], caches[1], slots)
+    reference.store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].view(-1, 2, 32)[8:12].abs().sum() == 0  # untouched slots stay zero
+
+
+def test_bad_arguments_raise_with_their_reason():
+    gen = torch.Generator().manual_seed(1)
+    query, k_cache, v_cache, table, starts, lens = _paged_batch([1, 4], [10, 4], 4, 4, 2, 32, torch.float32, gen)
+    with pytest.raises(RuntimeError, match="must be int32"):
+        cpu_ops.paged_attention(query, k_cache, v_cache, table.long(), starts, lens, 1.0)
+    with pytest.raises(RuntimeError, match="more query tokens than context"):
+        cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, torch.tensor([10, 3], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="more context than its page table row covers"):
+        cpu_ops.paged_attention(query, k_cache, v_cache, table[:, :1], starts, lens, 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_ops.paged_attention(query.double(), k_cache, v_cache, table, starts, lens, 1.0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.store_kv(torch.zeros(1, 2, 32), torch.zeros(1, 2, 32), k_cache, v_cache,
+                         torch.tensor([10**6]))
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_EXT_DIR", str(tmp_path))
+    directory = cpu_ops.build_dir()
+    assert directory.parent == tmp_path
+    assert directory == cpu_ops.build_dir()  # the same source on the same CPU: the same build
+    monkeypatch.setattr(cpu_ops, "_cpu_signature", lambda: "another-cpu")
+    assert cpu_ops.build_dir() != directory  # another processor never loads this build
