@@ -430,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("prompt", help="prompt text")
     complete.add_argument("--model", default="builtin:tiny", help="model name or directory (default: builtin:tiny)")
     _sampling_args(complete, served=False)
-    complete.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    complete.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                          help="auto: bfloat16 where the CPU has native bf16 (or on GPU), else float32")
     complete.set_defaults(func=_cmd_complete)
 
     up = sub.add_parser("up", help="start a cluster from a YAML config and serve until Ctrl-C")

@@ -17,7 +17,9 @@ class EngineSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # auto: bfloat16 on GPU and on CPUs with native bf16 (AVX512-BF16, AMX), float32 elsewhere
+    # (engine/compute_dtype.py); bf16 on an AVX2-only CPU is about 4x slower than float32.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
     # The KV cache is sized from a byte budget (the way users think about memory); num_pages

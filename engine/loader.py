@@ -15,11 +15,11 @@ from safetensors import safe_open
 
 from engine.attention import AttentionBackend
 from engine.builtin_models import ensure_builtin, parse_builtin
+from engine.compute_dtype import DTYPES  # noqa: F401  (re-exported for the benchmarks)
 from engine.layers import ParallelContext
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:

@@ -16,7 +16,8 @@ from kernels import cpu_ops
 from engine.attention import AttentionBackend
 from engine.kv_cache import KVCache
 from engine.layers import ParallelContext
-from engine.loader import DTYPES, load_model
+from engine.compute_dtype import resolve_dtype
+from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel import ShardGroup, ShardLayout
@@ -57,7 +58,7 @@ def attention_backend(config: EngineConfig, head_dim: int) -> AttentionBackend:
 def num_pages_for(config: EngineConfig, cfg: ModelConfig, layout: ShardLayout) -> int:
     if config.num_pages is not None:
         return config.num_pages
-    page_bytes = layout.page_bytes(cfg, config.page_size, DTYPES[config.dtype])
+    page_bytes = layout.page_bytes(cfg, config.page_size, resolve_dtype(config.dtype, config.device))
     num_pages = config.kv_cache_memory_bytes // page_bytes
     if num_pages < 1:
         raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no page: one page of "
@@ -70,7 +71,7 @@ def load_shard(config: EngineConfig, model_path: Path, layout: ShardLayout, grou
     layout.check_model(cfg)
     layers = layout.stage_layers(cfg.num_layers)
     ctx = ParallelContext(layout.tp_rank, layout.tp_size, group)
-    dtype = DTYPES[config.dtype]
+    dtype = resolve_dtype(config.dtype, config.device)
     model = load_model(model_path, dtype, config.device, attention_backend(config, cfg.head_dim), ctx, layers)
     num_pages = num_pages_for(config, cfg, layout)
     kv_cache = KVCache(cfg, num_pages, config.page_size, dtype, config.device,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.compute_dtype import resolve_dtype
+
 
 @dataclass(frozen=True)
 class Peak:
@@ -60,7 +62,7 @@ def resolve_peak(memory_bandwidth_gbps: float | None, tflops: float | None, devi
     """The configured peaks; whichever is not configured is measured (`source` says which)."""
     if memory_bandwidth_gbps is not None and tflops is not None:
         return Peak.configured(memory_bandwidth_gbps, tflops)
-    measured = measure_peak(device, getattr(torch, dtype_name))
+    measured = measure_peak(device, resolve_dtype(dtype_name, device))
     if memory_bandwidth_gbps is None and tflops is None:
         return measured
     return Peak(memory_bandwidth_gbps * 1e9 if memory_bandwidth_gbps is not None else measured.memory_bytes_per_s,

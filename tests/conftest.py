@@ -15,6 +15,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # No GPU here: Triton kernels run in the interpreter, which must be chosen before triton loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# dtype `auto` means bfloat16 on CPUs with native bf16; the oracle (HF greedy) is float32, so
+# the suite, and every worker process it starts, sees a CPU without it.
+os.environ.setdefault("PDSERVE_CPU_NATIVE_BF16", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

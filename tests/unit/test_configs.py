@@ -11,7 +11,7 @@ from configs import EngineConfig
 def test_defaults():
     c = EngineConfig()
     assert c.model == "builtin:tiny"
-    assert c.dtype == "float32"
+    assert c.dtype == "auto"
     assert c.device == "cpu"
     assert c.page_size == 16
     assert c.num_pages is None
