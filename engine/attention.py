@@ -19,11 +19,13 @@ from kernels import reference
 
 class AttentionBackend:
     """The cache ops, taken from one implementation module each. `mixed_attention`, where set,
-    attends decodes and prefill chunks of one step in a single call."""
+    attends decodes and prefill chunks of one step in a single call; `skinny_linear`, where
+    set, is the model's x W^T for few-row activations (engine/layers.py `linear`)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.mixed_attention = None
+        self.skinny_linear = None
         if name == "cpu":
             from kernels import cpu_ops
 
@@ -31,6 +33,7 @@ class AttentionBackend:
                 raise RuntimeError(f"attention_backend 'cpu' is unavailable: {cpu_ops.load_error()}")
             store, decode, prefill = cpu_ops, reference, reference
             self.mixed_attention = cpu_ops.paged_attention
+            self.skinny_linear = cpu_ops.skinny_linear
         elif name == "torch":
             store: ModuleType = reference
             decode: ModuleType = reference

@@ -9,6 +9,7 @@ Weights are loaded through `load(name, full_tensor)`, which cuts this rank's sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+# Decode steps multiply a few activation rows by every weight: up to this many rows, a
+# weight-streaming kernel (kernels/cpu/skinny_linear.cpp) beats BLAS on CPU by 1.2-3.7x.
+SKINNY_MAX_ROWS = 32
+SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyLinear | None
+           ) -> torch.Tensor:
+    """F.linear, through `skinny` for few-row 2-D inputs when the engine has one."""
+    if skinny is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.shape[1] % 8 == 0:
+        return skinny(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b), W split along output features. `parts` lists fused sub-matrices
     (e.g. q, k, v) so each part is sharded on its own before concatenation."""
@@ -64,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.part_sizes)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
+        self.skinny: SkinnyLinear | None = None  # set by the model from its kernel backend
 
     def _rows(self, part: int) -> slice:
         start = sum(self.part_sizes[:part])
@@ -78,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(self.bias.data[self._rows(part)], self.ctx.shard(bias, 0), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.skinny)
 
 
 class RowParallelLinear(nn.Module):
@@ -90,6 +106,7 @@ class RowParallelLinear(nn.Module):
         self.ctx = ctx
         self.weight = nn.Parameter(torch.empty(out_features, in_features // ctx.tp_size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.skinny: SkinnyLinear | None = None  # set by the model from its kernel backend
 
     def load_weight(self, weight: torch.Tensor) -> None:
         copy_checked(self.weight.data, self.ctx.shard(weight, 1), "weight")
@@ -100,7 +117,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(self.bias.data, bias, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(F.linear(x, self.weight))
+        out = self.ctx.all_reduce(linear(x, self.weight, None, self.skinny))
         return out if self.bias is None else out + self.bias
 
 

@@ -1,9 +1,10 @@
-"""The compiled CPU attention ops (kernels/cpu/paged_attention.cpp), built on first use.
+"""The compiled CPU ops (kernels/cpu/*.cpp), built on first use.
 
 The CPU serving path of engine/attention.py: `paged_attention` attends a whole mixed batch
 (decode rows and prefill chunks) reading K/V pages in place, `store_kv` scatters a step's K/V
 into its slots; both take the arguments of their kernels/reference.py twins, which stay the
-oracle in tests and the fallback when no compiler is at hand.
+oracle in tests and the fallback when no compiler is at hand. `skinny_linear` is x W^T (+ b)
+for the few-row activations of decode steps, where BLAS streams the weights at half speed.
 
 The extension is compiled once per source, torch version and CPU (`-O3 -march=native`, so a
 cache built on one processor is never loaded on another) into `PDSERVE_EXT_DIR` (default
@@ -22,7 +23,8 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "cpu" / "paged_attention.cpp"
+SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp")]
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is compiled for
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -45,8 +47,11 @@ def _cpu_signature() -> str:
 
 def build_dir() -> Path:
     root = Path(os.environ.get("PDSERVE_EXT_DIR") or Path.home() / ".cache" / "pdserve" / "ext")
-    digest = hashlib.sha256(SOURCE.read_bytes() + _cpu_signature().encode()).hexdigest()[:16]
-    return root / digest
+    digest = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.iterdir()):  # every source and header
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(_cpu_signature().encode())
+    return root / digest.hexdigest()[:16]
 
 
 def load(verbose: bool = False) -> ModuleType | None:
@@ -62,7 +67,7 @@ def load(verbose: bool = False) -> ModuleType | None:
             directory.mkdir(parents=True, exist_ok=True)
             _module = load_extension(
                 name="pdserve_cpu_attention",
-                sources=[str(SOURCE)],
+                sources=[str(p) for p in SOURCES],
                 build_directory=str(directory),
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                 extra_ldflags=["-fopenmp"],
@@ -95,6 +100,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              slot_mapping: torch.Tensor) -> None:
     """Scatter each token's key/value into its slot (negative slots are skipped), in place."""
     _require().store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for x [M, K] with few rows M and K a multiple of 8; weight [N, K]."""
+    return _require().skinny_linear(x, weight, bias)
 
 
 def _require() -> ModuleType:

@@ -24,6 +24,7 @@ from engine.layers import (
     RMSNorm,
     RowParallelLinear,
     copy_checked,
+    linear,
 )
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
@@ -102,6 +103,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling_dict
         )
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.skinny = backend.skinny_linear
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -133,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_sampled, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self.backend.skinny_linear).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors; fails naming any tensor the model has no place for, lacks,

@@ -1,6 +1,6 @@
 // CPU paged attention that reads K/V pages in place, and the fused KV store.
 //
-// Built at first use by kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 for this machine's
+// Built at first use by kernels/cpu_ops.py (with skinny_linear.cpp, module.cpp) (torch.utils.cpp_extension, -O3 for this machine's
 // instruction set); kernels/reference.py holds the torch oracle with the same arguments.
 //
 // Cache layout (as everywhere in kernels/): k_cache, v_cache [num_pages, page_size, kv_heads, d].
@@ -18,8 +18,10 @@
 // no horizontal sums; an exact softmax per row (fp32); pass 2 walks the pages again and adds
 // p * v rows (vectorised across d). Nothing is gathered or padded.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include "vec.h"
 
 #include <algorithm>
 #include <atomic>
@@ -30,34 +32,12 @@
 
 namespace {
 
+using pdserve::dispatch_dtype;
+using pdserve::hsum;
+using pdserve::load8;
+using pdserve::v8f;
+
 constexpr int64_t kQTile = 16;  // query tokens per work item: bounds the score buffer, feeds both cores
-
-// Eight fp32 lanes (one AVX2 register; two SSE ones elsewhere): the compiler's vector type,
-// so the code is portable and still keeps accumulators in registers.
-typedef float v8f __attribute__((vector_size(32)));
-
-inline v8f load8(const float* p) {
-  v8f v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline v8f load8(const c10::BFloat16* p) {  // bf16 is the high half of an fp32
-  uint16_t bits[8];
-  std::memcpy(bits, p, sizeof(bits));
-  uint32_t wide[8];
-  for (int i = 0; i < 8; ++i) wide[i] = static_cast<uint32_t>(bits[i]) << 16;
-  v8f v;
-  std::memcpy(&v, wide, sizeof(v));
-  return v;
-}
-inline v8f load8(const c10::Half* p) {
-  v8f v;
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-}
-inline float hsum(v8f v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 struct Item {
   int64_t seq;
@@ -172,9 +152,9 @@ void attend_item(const Item& it, int64_t kvh, const scalar_t* q, int64_t q_tok_s
 
 // Threads pull (tile, kv head) items from one counter until none is left.
 template <typename scalar_t, int NV>
-void run_items(const std::vector<Item>& tiles, const torch::Tensor& query, const torch::Tensor& k_cache,
-               const torch::Tensor& v_cache, const torch::Tensor& page_table, const int32_t* starts,
-               const int32_t* lens, torch::Tensor& out, int64_t group, double scale) {
+void run_items(const std::vector<Item>& tiles, const at::Tensor& query, const at::Tensor& k_cache,
+               const at::Tensor& v_cache, const at::Tensor& page_table, const int32_t* starts,
+               const int32_t* lens, at::Tensor& out, int64_t group, double scale) {
   const int64_t kv_heads = k_cache.size(2);
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * kv_heads;
   const scalar_t* q = query.data_ptr<scalar_t>();
@@ -196,7 +176,7 @@ void run_items(const std::vector<Item>& tiles, const torch::Tensor& query, const
   });
 }
 
-void check_cache(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+void check_cache(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be [num_pages, page_size, kv_heads, head_dim] and alike");
@@ -208,25 +188,14 @@ void check_cache(const torch::Tensor& query, const torch::Tensor& k_cache, const
   TORCH_CHECK(query.stride(2) == 1, "query rows must be contiguous in head_dim");
 }
 
-// The cache dtypes served: fp32, bf16 and fp16 (kernels compute in fp32 whatever they read).
-template <typename F>
-void dispatch_dtype(at::ScalarType type, const char* what, F&& f) {
-  switch (type) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, what, ": dtype ", type, " is not served (float32, bfloat16, float16)");
-  }
-}
-
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor page_table, torch::Tensor query_start_loc,
-                              torch::Tensor context_lens, double scale) {
+at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                              at::Tensor page_table, at::Tensor query_start_loc,
+                              at::Tensor context_lens, double scale) {
   check_cache(query, k_cache, v_cache);
-  TORCH_CHECK(page_table.scalar_type() == torch::kInt32 && query_start_loc.scalar_type() == torch::kInt32 &&
-                  context_lens.scalar_type() == torch::kInt32,
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && query_start_loc.scalar_type() == at::kInt &&
+                  context_lens.scalar_type() == at::kInt,
               "page_table, query_start_loc and context_lens must be int32");
   page_table = page_table.contiguous();
   query_start_loc = query_start_loc.contiguous();
@@ -236,7 +205,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
               "page_table, query_start_loc and context_lens disagree on the number of sequences");
   const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3), page_size = k_cache.size(1);
   const int64_t group = query.size(1) / kv_heads;
-  auto out = torch::empty({query.size(0), query.size(1), head_dim}, query.options());
+  auto out = at::empty({query.size(0), query.size(1), head_dim}, query.options());
 
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -271,12 +240,12 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch:
   return out;
 }
 
-void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping) {
+void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [num_tokens, kv_heads, d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key shape differs from the cache's");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.size(0) == key.size(0),
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.size(0) == key.size(0),
               "slot_mapping must be int64 [num_tokens]");
   key = key.to(k_cache.scalar_type());
   value = value.to(v_cache.scalar_type());
@@ -301,9 +270,4 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
       std::copy(v + t * vs, v + t * vs + row, vc + slots[t] * row);
     }
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "causal paged attention over a mixed batch (pages read in place)");
-  m.def("store_kv", &store_kv, "scatter K/V rows into their cache slots");
 }

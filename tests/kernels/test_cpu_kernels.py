@@ -130,3 +130,40 @@ def test_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     assert directory == cpu_ops.build_dir()  # the same source on the same CPU: the same build
     monkeypatch.setattr(cpu_ops, "_cpu_signature", lambda: "another-cpu")
     assert cpu_ops.build_dir() != directory  # another processor never loads this build
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 33])
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_skinny_linear_matches_f_linear(rows, dtype, bias):
+    gen = torch.Generator().manual_seed(rows)
+    # 131 output features: a tail that is not a whole tile of 4 weight rows.
+    weight = torch.randn(131, 96, generator=gen).to(dtype)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    b = torch.randn(131, generator=gen).to(dtype) if bias else None
+    got = cpu_ops.skinny_linear(x, weight, b)
+    want = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert got.dtype == dtype and got.shape == (rows, 131)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+def test_skinny_linear_refuses_shapes_it_does_not_serve():
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        cpu_ops.skinny_linear(torch.zeros(1, 12), torch.zeros(4, 12))
+    with pytest.raises(RuntimeError, match="takes x"):
+        cpu_ops.skinny_linear(torch.zeros(1, 16), torch.zeros(4, 8))
+
+
+def test_engine_linear_takes_the_skinny_kernel_only_for_few_rows():
+    from engine.layers import SKINNY_MAX_ROWS, linear
+
+    calls = []
+
+    def skinny(x, w, b):
+        calls.append(x.shape[0])
+        return cpu_ops.skinny_linear(x, w, b)
+
+    weight = torch.randn(16, 64)
+    for rows in (1, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x, weight, None, skinny), x @ weight.T, **TOL[torch.float32])
+    assert calls == [1, SKINNY_MAX_ROWS]
