@@ -114,6 +114,7 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             "slo_ttft_ms": config.router.slo_ttft_ms, "slo_tpot_ms": config.router.slo_tpot_ms,
             "slo_window_s": config.router.slo_window_s, "max_attempts": config.router.max_attempts,
             "retry_wait_s": config.router.retry_wait_s, "heartbeat_timeout_s": config.router.heartbeat_timeout_s,
+            "max_prefill_queue_tokens": config.router.max_prefill_queue_tokens,
         }
         # Pinned to this node: router.host (or, for 0.0.0.0, this node's IP) is where clients and
         # workers find it. Several calls at once: a drain waits on the router while status reads it.

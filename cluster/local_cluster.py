@@ -46,7 +46,7 @@ class LocalCluster:
             h.start()
         endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]
         self.router = Router(model_dir, endpoints, event, mode, max_queued_requests=max_queued_requests,
-                             kv_timeout_s=30, lease_s=30, **router_options)
+                             **{"kv_timeout_s": 30, "lease_s": 30, **router_options})
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

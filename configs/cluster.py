@@ -36,6 +36,10 @@ class RouterConfig(_Strict):
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="no heartbeat this long = the worker is dead")
     max_attempts: int = Field(3, ge=1, description="tries per request when workers die under it (1 = no retry)")
     retry_wait_s: float = Field(10.0, ge=0, description="a retry waits this long for a healthy worker to appear")
+    # Disaggregated: prompts wait in the router (holding no pages) until a prefill worker has
+    # fewer than this many prompt tokens sent to it and not yet prefilled, so decode reservations'
+    # leases only cover a short prefill queue (router/prefill_gate.py).
+    max_prefill_queue_tokens: int = Field(8192, ge=1, description="prompt tokens queued on one prefill worker at most")
     control_port: int = Field(52001, ge=1, le=65535,
                               description="the `up` process answers `pdserve status` / `pdserve scale` here")
 

@@ -1,8 +1,9 @@
 """One request's journey through the cluster, as seen by the router (DESIGN.md section 2).
 
 `run_journey` drives the worker messages for one validated request and yields response
-messages as text becomes available. Disaggregated: reserve pages on a decode worker first
-(retrying while the pool is full: backpressure), then prefill, stream the first token as soon
+messages as text becomes available. Disaggregated: wait for a prefill worker with room
+(router/prefill_gate.py: the queue waits here, holding nothing), reserve pages on a decode
+worker (retrying while the pool is full: backpressure), then prefill, stream the first token as soon
 as it arrives, start decode, stream the rest. Colocated: one Generate. Whatever ends an
 attempt (finish, stop string, error, cancel, deadline, a lost worker), its `finally` sends
 Abort to every worker involved that may still hold something, so pages are freed on every side.
@@ -31,6 +32,7 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from router.policy import LeastLoadedPolicy
+from router.prefill_gate import PrefillGate
 from router.stop_strings import StopStringMatcher
 from router.tokenizer import IncrementalDetokenizer, RouterTokenizer
 from router.worker_pool import WorkerPool
@@ -67,6 +69,7 @@ class JourneySettings:
     kv_timeout_s: float
     lease_s: float
     reserve_retry_s: float = 0.02
+    max_prefill_queue_tokens: int = 8192  # prompt tokens sent to one prefill worker, not yet prefilled
     max_attempts: int = 3  # the first try plus retries after lost workers
     retry_wait_s: float = 10.0  # a retry waits this long for a healthy worker (a replacement) to appear
 
@@ -87,10 +90,12 @@ class _Stream:
 
 async def run_journey(
     j: Journey, pool: WorkerPool, policy: LeastLoadedPolicy, tokenizer: RouterTokenizer, settings: JourneySettings,
-    on_dispatch: Callable[[str], None] | None = None,
+    on_dispatch: Callable[[str], None] | None = None, gate: PrefillGate | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """`on_dispatch(worker_id)` is called once, when the prompt is first sent to the worker that
-    computes it (after any wait for decode pages): the end of the request's router queue time."""
+    computes it (after any wait for prefill room and decode pages): the end of the request's
+    router queue time. `gate` is shared by every request of one router (disaggregated mode)."""
+    gate = gate or PrefillGate(settings.max_prefill_queue_tokens)
     stream = _Stream(IncrementalDetokenizer(tokenizer), StopStringMatcher(list(j.stop)))
     dispatched = [] if on_dispatch is None else [on_dispatch]
     lost: list[str] = []
@@ -99,7 +104,8 @@ async def run_journey(
             yield _respond(j, stream, [], reason)  # the lost worker had nothing left to send
             return
         try:
-            async with contextlib.aclosing(_attempt(j, attempt, stream, pool, policy, settings, dispatched)) as tries:
+            async with contextlib.aclosing(_attempt(j, attempt, stream, pool, policy, settings, dispatched, gate)
+                                           ) as tries:
                 async for response in tries:
                     yield response
             return
@@ -127,7 +133,7 @@ def _ended(j: Journey, stream: _Stream, tokenizer: RouterTokenizer) -> str | Non
 
 
 async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, policy: LeastLoadedPolicy,
-                   settings: JourneySettings, dispatched: list) -> AsyncIterator[pb.GenerateResponse]:
+                   settings: JourneySettings, dispatched: list, gate: PrefillGate) -> AsyncIterator[pb.GenerateResponse]:
     """One try at the rest of the request: the prompt plus what the client already has."""
     rid = j.request_id if attempt == 0 else f"{j.request_id}.retry{attempt}"
     prompt = j.prompt + tuple(stream.generated)
@@ -152,6 +158,12 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
         while dispatched:
             dispatched.pop()(worker)
 
+    gated: list[str] = []  # the prefill worker whose gate credit this attempt holds (at most one)
+
+    def release_gate() -> None:
+        while gated:
+            gate.release(gated.pop(), len(prompt))
+
     try:
         if settings.mode == "colocated":
             worker = await _choose(lambda: policy.choose_decode(prompt, pool.loads("colocated")), j, wait_s,
@@ -160,12 +172,12 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
             await _send(pool, worker, wm.Generate(rid, prompt, sampling))
             first_dispatch(worker)
         else:
+            prefill = await _prefill_slot(j, prompt, pool, policy, gate, wait_s)
+            gated.append(prefill)
             decode_worker = await _reserve(j, rid, prompt, pool, policy, settings, events, use, done_with, wait_s)
         while True:
             msg = await _next(events, j.deadline, pool, watched)
             if isinstance(msg, wm.Reserved):
-                prefill = await _choose(lambda: policy.choose_prefill(prompt, pool.loads("prefill")), j, wait_s,
-                                        "no healthy prefill worker")
                 policy.record(prompt, prefill)
                 use(prefill)
                 kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, settings.kv_timeout_s)
@@ -181,6 +193,7 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
                     done_with(msg.worker_id)
                 continue  # a failed transfer also reaches us as the decode worker's Failed
             if isinstance(msg, wm.FirstToken):
+                release_gate()  # prefilled: the next prompt in the router's queue may go
                 await _send(pool, decode_worker, wm.StartDecode(rid, prompt, msg.token_id, sampling))
                 new_ids, reason = [msg.token_id], None
                 if attempt == 0:
@@ -197,6 +210,7 @@ async def _attempt(j: Journey, attempt: int, stream: _Stream, pool: WorkerPool, 
             if stream.ended:
                 return
     finally:
+        release_gate()
         pool.unsubscribe(rid)
         pool.release(rid)
         if not stream.done or stream.stops.stopped:
@@ -239,6 +253,22 @@ async def _choose(choose: Callable[[], str | None], j: Journey, wait_s: float, n
         if time.monotonic() >= give_up:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, none_message)
         await asyncio.sleep(0.1)
+
+
+async def _prefill_slot(j: Journey, prompt: tuple[int, ...], pool: WorkerPool, policy: LeastLoadedPolicy,
+                        gate: PrefillGate, wait_s: float) -> str:
+    """A prefill worker with room for `prompt` (gate credit taken), waiting in the router's queue
+    while every healthy one is full; UNAVAILABLE when none is healthy for `wait_s`."""
+    give_up = time.monotonic() + wait_s
+
+    def choose(full: set[str]) -> str | None:
+        loads = pool.loads("prefill")
+        if not any(w.healthy for w in loads) and time.monotonic() >= give_up:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        return policy.choose_prefill(prompt, [w for w in loads if w.worker_id not in full])
+
+    return await gate.acquire(len(prompt), choose, j.deadline,
+                              lambda: RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired"))
 
 
 async def _reserve(j, rid, prompt, pool, policy, settings, events, use, done_with, wait_s) -> str:

@@ -25,6 +25,7 @@ from configs.logging_setup import EventLog
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from router.journey import JourneySettings, RouterError, run_journey
+from router.prefill_gate import PrefillGate
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.slo import SloTargets
@@ -57,6 +58,7 @@ class Router:
         max_attempts: int = 3,
         retry_wait_s: float = 10.0,
         heartbeat_timeout_s: float = 3.0,
+        max_prefill_queue_tokens: int = 8192,
     ) -> None:
         self.tokenizer = RouterTokenizer(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -66,7 +68,9 @@ class Router:
         self.policy = make_policy(policy)
         self.max_queued_requests = max_queued_requests
         self.settings = JourneySettings(mode=mode, kv_timeout_s=kv_timeout_s, lease_s=lease_s,
-                                        max_attempts=max_attempts, retry_wait_s=retry_wait_s)
+                                        max_attempts=max_attempts, retry_wait_s=retry_wait_s,
+                                        max_prefill_queue_tokens=max_prefill_queue_tokens)
+        self.prefill_gate = PrefillGate(max_prefill_queue_tokens)
         self.roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
         self.default_timeout_s = default_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -189,7 +193,7 @@ class Router:
         num_tokens = 0
         try:
             async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings,
-                                              on_dispatch=dispatched):
+                                              on_dispatch=dispatched, gate=self.prefill_gate):
                 now = time.monotonic()
                 if response.token_ids:
                     if ttft is None:

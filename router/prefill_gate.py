@@ -1,0 +1,78 @@
+"""Router-side credit for prefill work: the queue of prompts waits here, holding nothing.
+
+Used by router/journey.py in disaggregated mode before it reserves decode pages. A decode
+reservation has a lease (its pages wait that long for their KV); if the router reserved pages
+for every arriving prompt and let them queue on the prefill workers, a burst would queue
+longer than the lease and fail requests that were never late, only queued. So a request first
+takes a slot here: at most `max_tokens_per_worker` prompt tokens sent and not yet prefilled
+(first token not back) on each prefill worker, taken first come first served. Then it reserves
+and is sent at once, and the lease only covers a short, bounded prefill queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+
+
+class PrefillGate:
+    def __init__(self, max_tokens_per_worker: int) -> None:
+        if max_tokens_per_worker < 1:
+            raise ValueError(f"max_tokens_per_worker must be >= 1, got {max_tokens_per_worker}")
+        self.max_tokens_per_worker = max_tokens_per_worker
+        self._outstanding: dict[str, int] = {}  # prefill worker -> prompt tokens sent, not yet prefilled
+        self._queue: deque[int] = deque()  # waiting tickets, oldest first
+        self._tickets = itertools.count()
+        self._changed = asyncio.Event()
+
+    def outstanding(self, worker_id: str) -> int:
+        return self._outstanding.get(worker_id, 0)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    def has_room(self, worker_id: str, num_tokens: int) -> bool:
+        """A worker takes a prompt while under budget; an idle one takes any prompt, however long."""
+        held = self.outstanding(worker_id)
+        return held == 0 or held + num_tokens <= self.max_tokens_per_worker
+
+    async def acquire(self, num_tokens: int, choose: Callable[[set[str]], str | None], deadline: float,
+                      on_timeout: Callable[[], Exception], recheck_s: float = 0.05) -> str:
+        """Waits for this request's turn and a worker with room; `choose(full)` is the policy's
+        pick among the healthy workers not in `full` (None: there is none). Returns the
+        worker, whose outstanding count now includes `num_tokens`: `release` it exactly once.
+        Raises `on_timeout()` at `deadline` (time.monotonic())."""
+        ticket = next(self._tickets)
+        self._queue.append(ticket)
+        try:
+            while True:
+                if self._queue[0] == ticket:
+                    worker = choose({w for w in self._outstanding if not self.has_room(w, num_tokens)})
+                    if worker is not None:
+                        self._outstanding[worker] = self.outstanding(worker) + num_tokens
+                        return worker
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise on_timeout()
+                self._changed.clear()
+                try:  # woken by a release or a turn change; rechecked anyway for worker health
+                    await asyncio.wait_for(self._changed.wait(), min(remaining, recheck_s))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._queue.remove(ticket)
+            self._changed.set()
+
+    def release(self, worker_id: str, num_tokens: int) -> None:
+        left = self.outstanding(worker_id) - num_tokens
+        if left < 0:
+            raise RuntimeError(f"prefill gate: {worker_id} released {num_tokens} tokens it was not holding")
+        if left:
+            self._outstanding[worker_id] = left
+        else:
+            self._outstanding.pop(worker_id, None)
+        self._changed.set()
