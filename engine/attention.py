@@ -20,12 +20,14 @@ from kernels import reference
 class AttentionBackend:
     """The cache ops, taken from one implementation module each. `mixed_attention`, where set,
     attends decodes and prefill chunks of one step in a single call; `skinny_linear`, where
-    set, is the model's x W^T for few-row activations (engine/layers.py `linear`)."""
+    set, is the model's x W^T for few-row activations (engine/layers.py `linear`);
+    `fused_ops`, where set, fuses the norms, rotary and SiLU-mul of each layer."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.mixed_attention = None
         self.skinny_linear = None
+        self.fused_ops: ModuleType | None = None  # fused norm / rotary / SiLU-mul (kernels.cpu_ops)
         if name == "cpu":
             from kernels import cpu_ops
 
@@ -34,6 +36,7 @@ class AttentionBackend:
             store, decode, prefill = cpu_ops, reference, reference
             self.mixed_attention = cpu_ops.paged_attention
             self.skinny_linear = cpu_ops.skinny_linear
+            self.fused_ops = cpu_ops
         elif name == "torch":
             store: ModuleType = reference
             decode: ModuleType = reference

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,19 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None, fused: ModuleType | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pre-norm block boundary: residual += x, then (norm(residual), residual). The
+        first call of a stage has no residual yet: (norm(x), x). With `fused` (kernels.cpu_ops)
+        both happen in one pass over x and residual, in place."""
+        if residual is None:
+            return self(x), x
+        if fused is not None and x.is_contiguous() and residual.is_contiguous() and x.dim() == 2:
+            fused.add_rms_norm_(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 # Decode steps multiply a few activation rows by every weight: up to this many rows, a

@@ -24,7 +24,7 @@ from types import ModuleType
 import torch
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp")]
+SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp", "fused_ops.cpp")]
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is compiled for
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -105,6 +105,23 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for x [M, K] with few rows M and K a multiple of 8; weight [N, K]."""
     return _require().skinny_linear(x, weight, bias)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x, then x = rms_norm(residual) * weight (rows of [T, H])."""
+    _require().add_rms_norm_(x, residual, weight, eps)
+
+
+def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            num_rotated_heads: int) -> None:
+    """In place: the first `num_rotated_heads` heads of each [T, heads, d] row (queries, then
+    keys) rotated by their position's row of the float32 cos/sin tables [max_positions, d]."""
+    _require().rotary_(qkv, positions, cos, sin, num_rotated_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [gate | up] of [T, 2 * I]; returns [T, I]."""
+    return _require().silu_mul(gate_up)
 
 
 def _require() -> ModuleType:

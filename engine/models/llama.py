@@ -9,7 +9,8 @@ RMSNorm, SwiGLU, tied or untied embeddings and Qwen2's qkv bias are all here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,13 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache,
-        cos_sin: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend,
+        rotate: Callable[[torch.Tensor, int], torch.Tensor], backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         h, kv = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, h + 2 * kv, self.head_dim)
         # Queries and keys take the same rotation: one call for both halves the op count.
-        qk = apply_rotary(cos_sin, qkv[:, : h + kv])
+        qk = rotate(qkv, h + kv)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kv :]
         k_cache, v_cache = kv_cache.layer(self.layer_id)
         out = paged_attention(backend, batch, q, k, v, k_cache, v_cache, self.scale)
@@ -65,8 +66,11 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if fused is not None and gate_up.dim() == 2:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -119,14 +123,29 @@ class LlamaForCausalLM(nn.Module):
         the previous stage's `hidden`."""
         if hidden is None:
             hidden = self.embed_tokens(batch.input_ids)
-        cos_sin = self.rope.lookup(batch.positions, hidden.dtype)
+        else:
+            hidden = hidden.clone()  # the fused norms add into the residual in place: not the caller's buffer
+        fused = self.backend.fused_ops
+        rotate = self._rotation(batch, hidden.dtype, fused)
+        residual = None
         for layer in self.layers:
-            residual = hidden
-            hidden = layer.self_attn(layer.input_layernorm(hidden), batch, kv_cache, cos_sin, self.backend)
-            hidden = residual + hidden
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden
+            hidden, residual = layer.input_layernorm.add_norm(hidden, residual, fused)
+            hidden = layer.self_attn(hidden, batch, kv_cache, rotate, self.backend)
+            hidden, residual = layer.post_attention_layernorm.add_norm(hidden, residual, fused)
+            hidden = layer.mlp(hidden, fused)
+        return hidden + residual
+
+    def _rotation(self, batch: ForwardBatch, dtype: torch.dtype, fused: ModuleType | None
+                  ) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """rotate(qkv, n): the first n heads of qkv [T, heads, d] rotated by position, for every
+        layer of this step: in place by one fused call, or from cos/sin rows looked up once."""
+        if fused is not None:
+            def rotate_in_place(qkv: torch.Tensor, n: int) -> torch.Tensor:
+                fused.rotary_(qkv, batch.positions, self.rope.cos, self.rope.sin, n)
+                return qkv[:, :n]
+            return rotate_in_place
+        cos_sin = self.rope.lookup(batch.positions, dtype)
+        return lambda qkv, n: apply_rotary(cos_sin, qkv[:, :n])
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -33,6 +33,8 @@
 namespace {
 
 using pdserve::dispatch_dtype;
+using pdserve::exp8_nonpositive;
+using pdserve::hmax;
 using pdserve::hsum;
 using pdserve::load8;
 using pdserve::v8f;
@@ -104,13 +106,26 @@ void attend_item(const Item& it, int64_t kvh, const scalar_t* q, int64_t q_tok_s
     }
   }
 
-  // Exact softmax per row over its visible keys (unnormalised; divided at the end).
+  // Softmax per row over its visible keys, eight scores at a time (unnormalised; the sum's
+  // inverse is applied at the end).
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores.data() + r * kv_end;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < limits[r]; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < limits[r]; ++t) {
+    const int64_t lim = limits[r], lim8 = lim - lim % 8;
+    v8f mv = v8f{} - std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < lim8; t += 8) {
+      const v8f x = load8(s + t);
+      mv = x > mv ? x : mv;
+    }
+    float m = hmax(mv);
+    for (int64_t t = lim8; t < lim; ++t) m = std::max(m, s[t]);
+    v8f sv{};
+    for (int64_t t = 0; t < lim8; t += 8) {
+      const v8f e = exp8_nonpositive(load8(s + t) - m);
+      std::memcpy(s + t, &e, sizeof(e));
+      sv += e;
+    }
+    float sum = hsum(sv);
+    for (int64_t t = lim8; t < lim; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }

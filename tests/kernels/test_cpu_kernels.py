@@ -167,3 +167,45 @@ def test_engine_linear_takes_the_skinny_kernel_only_for_few_rows():
         x = torch.randn(rows, 64)
         torch.testing.assert_close(linear(x, weight, None, skinny), x @ weight.T, **TOL[torch.float32])
     assert calls == [1, SKINNY_MAX_ROWS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_the_torch_block_boundary(dtype):
+    from engine.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(11)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96, generator=gen)
+    norm = norm.to(dtype)
+    x = torch.randn(5, 96, generator=gen).to(dtype)
+    residual = torch.randn(5, 96, generator=gen).to(dtype)
+    want_out, want_res = norm.add_norm(x.clone(), residual.clone())  # the torch composition
+    got_out, got_res = norm.add_norm(x.clone(), residual.clone(), cpu_ops)
+    assert torch.equal(got_res, want_res)  # the add is one rounding in both
+    torch.testing.assert_close(got_out.float(), want_out.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_matches_apply_rotary(dtype):
+    from engine.rope import RotaryEmbedding, apply_rotary
+
+    rope = RotaryEmbedding(64, 512, 10000.0, {})
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, 6, 64, generator=gen).to(dtype)  # 3 q heads, 1 k head, 2 v heads
+    positions = torch.tensor([0, 1, 2, 300, 301, 17, 511])
+    want = apply_rotary(rope.lookup(positions, dtype), qkv[:, :4])
+    got = qkv.clone()
+    cpu_ops.rotary_(got, positions, rope.cos, rope.sin, 4)
+    torch.testing.assert_close(got[:, :4].float(), want.float(), **TOL[dtype])
+    assert torch.equal(got[:, 4:], qkv[:, 4:])  # values are not rotated
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        cpu_ops.rotary_(got, torch.tensor([0, 1, 2, 3, 4, 5, 512]), rope.cos, rope.sin, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(2)
+    gate_up = (4 * torch.randn(6, 2 * 40, generator=gen)).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up).float(),
+                               (torch.nn.functional.silu(gate) * up).float(), **TOL[dtype])
