@@ -30,7 +30,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 bench: install
-	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/engine_steps.py
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache
