@@ -49,15 +49,17 @@ def workloads(quick: bool, vocab: int) -> dict[str, tuple[WorkloadSpec, dict]]:
     """name -> (workload, BenchPlan options other than rates)."""
     n = 2 if quick else 1  # --quick halves request counts
 
-    def fixed(name: str, num: int, inp: int, out: int, **extra) -> WorkloadSpec:
-        return WorkloadSpec(name, max(2, num // n), LengthDist(inp), LengthDist(out), vocab_size=vocab, seed=7, **extra)
+    def fixed(name: str, num: int, inp: int, out: int, seed: int, **extra) -> WorkloadSpec:
+        return WorkloadSpec(name, max(2, num // n), LengthDist(inp), LengthDist(out), vocab_size=vocab, seed=seed,
+                            **extra)
 
+    # A seed of its own per workload: no workload may hit the prefix cache another one filled.
     return {
-        "unloaded": (fixed("fixed", 8, 128, 128), dict(max_concurrency=1)),
-        "burst": (fixed("throughput", 64, 512, 128), dict(max_concurrency=32)),
-        "moderate": (fixed("fixed", 32, 512, 128), {}),
-        "sweep": (fixed("sweep", 32, 512, 128), {}),
-        "prefix": (fixed("prefix", 64, 1024, 128, num_prefixes=8, suffix_len=128), dict(max_concurrency=32)),
+        "unloaded": (fixed("fixed", 8, 128, 128, seed=101), dict(max_concurrency=1)),
+        "burst": (fixed("throughput", 64, 512, 128, seed=202), dict(max_concurrency=32)),
+        "moderate": (fixed("fixed", 32, 512, 128, seed=303), {}),
+        "sweep": (fixed("sweep", 32, 512, 128, seed=404), {}),
+        "prefix": (fixed("prefix", 64, 1024, 128, seed=505, num_prefixes=8, suffix_len=128), dict(max_concurrency=32)),
     }
 
 

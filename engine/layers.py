@@ -69,8 +69,8 @@ class RMSNorm(nn.Module):
 
 
 # Decode steps multiply a few activation rows by every weight: up to this many rows, a
-# weight-streaming kernel (kernels/cpu/skinny_linear.cpp) beats BLAS on CPU by 1.2-3.7x.
-SKINNY_MAX_ROWS = 32
+# weight-streaming kernel (kernels/cpu/skinny_linear.cpp) beats BLAS on CPU by 1.1-3.7x.
+SKINNY_MAX_ROWS = 64
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
