@@ -81,6 +81,10 @@ def sharded(role: str, **pool) -> dict:
         (edit("prefill.engine.tensor_parallel_size", 2), r"prefill: tensor_parallel_size x pipeline_parallel_size = 2 needs shard_base_port"),
         (sharded("prefill", placement_strategy="SPREAD"), "tensor-parallel shards all-reduce in every layer"),
         (sharded("decode", shard_base_port=52200), "port 52200 of decode worker 0 shard group is also decode worker 0"),
+        (edit("router.max_prefill_queue_tokens", 0),
+         r"router\.max_prefill_queue_tokens: Input should be greater than or equal to 1"),
+        (edit("router.max_prefill_queue_tokens", "many"), r"router\.max_prefill_queue_tokens: Input should be a valid integer"),
+        (edit("prefill.engine.dtype", "float64"), r"prefill\.engine\.dtype: Input should be 'auto'"),
     ],
 )
 def test_mistakes_are_rejected_naming_the_key(tmp_path, cfg, message):
