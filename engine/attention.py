@@ -14,13 +14,14 @@ from types import ModuleType
 import torch
 
 from engine.forward_batch import ForwardBatch
-from kernels import reference
+from kernels import packed_linear, reference
 
 
 class AttentionBackend:
     """The cache ops, taken from one implementation module each. `mixed_attention`, where set,
     attends decodes and prefill chunks of one step in a single call; `skinny_linear`, where
     set, is the model's x W^T for few-row activations (engine/layers.py `linear`);
+    `packs_linears`, where true, has the model multiply by weights packed once for oneDNN;
     `fused_ops`, where set, fuses the norms, rotary and SiLU-mul of each layer."""
 
     def __init__(self, name: str) -> None:
@@ -28,6 +29,7 @@ class AttentionBackend:
         self.mixed_attention = None
         self.skinny_linear = None
         self.fused_ops: ModuleType | None = None  # fused norm / rotary / SiLU-mul (kernels.cpu_ops)
+        self.packs_linears = False  # the model packs its linear weights for oneDNN (kernels/packed_linear.py)
         if name == "cpu":
             from kernels import cpu_ops
 
@@ -37,6 +39,7 @@ class AttentionBackend:
             self.mixed_attention = cpu_ops.paged_attention
             self.skinny_linear = cpu_ops.skinny_linear
             self.fused_ops = cpu_ops
+            self.packs_linears = packed_linear.available()
         elif name == "torch":
             store: ModuleType = reference
             decode: ModuleType = reference

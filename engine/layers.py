@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import packed_linear
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -76,7 +78,10 @@ SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyLinear | None
            ) -> torch.Tensor:
-    """F.linear, through `skinny` for few-row 2-D inputs when the engine has one."""
+    """F.linear; through oneDNN for a packed weight (`pack_weight`), else through `skinny` for
+    few-row 2-D inputs when the engine has one."""
+    if weight.is_mkldnn:
+        return packed_linear.apply(x, weight, bias)
     if skinny is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.shape[1] % 8 == 0:
         return skinny(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -100,7 +105,7 @@ class ColumnParallelLinear(nn.Module):
         return slice(start, start + self.part_sizes[part])
 
     def load_weight(self, part: int, weight: torch.Tensor) -> None:
-        copy_checked(self.weight.data[self._rows(part)], self.ctx.shard(weight, 0), "weight")
+        copy_checked(loadable(self.weight)[self._rows(part)], self.ctx.shard(weight, 0), "weight")
 
     def load_bias(self, part: int, bias: torch.Tensor) -> None:
         if self.bias is None:
@@ -123,7 +128,7 @@ class RowParallelLinear(nn.Module):
         self.skinny: SkinnyLinear | None = None  # set by the model from its kernel backend
 
     def load_weight(self, weight: torch.Tensor) -> None:
-        copy_checked(self.weight.data, self.ctx.shard(weight, 1), "weight")
+        copy_checked(loadable(self.weight), self.ctx.shard(weight, 1), "weight")
 
     def load_bias(self, bias: torch.Tensor) -> None:
         if self.bias is None:
@@ -133,6 +138,23 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.ctx.all_reduce(linear(x, self.weight, None, self.skinny))
         return out if self.bias is None else out + self.bias
+
+
+def pack_weight(module: nn.Module) -> bool:
+    """After loading: module.weight into oneDNN's layout (kernels/packed_linear.py), which
+    `linear` then multiplies by; False, leaving it as it is, where it does not pack."""
+    packed = packed_linear.pack(module.weight.data)
+    if packed is None:
+        return False
+    module.weight = nn.Parameter(packed, requires_grad=False)
+    return True
+
+
+def loadable(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's plain storage to load a checkpoint tensor into; a packed one has none."""
+    if weight.is_mkldnn:
+        raise RuntimeError("cannot load a weight into a layer already packed for serving (pack after loading)")
+    return weight.data
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:

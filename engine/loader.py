@@ -64,6 +64,7 @@ def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBa
                     yield name, f.get_tensor(name).to(dtype)
 
     model.load_weights(tensors())
+    model.pack_weights()
     return model.eval()
 
 

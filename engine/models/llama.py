@@ -26,9 +26,11 @@ from engine.layers import (
     RowParallelLinear,
     copy_checked,
     linear,
+    pack_weight,
 )
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding, apply_rotary
+from kernels import packed_linear
 
 
 class Attention(nn.Module):
@@ -110,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.skinny = backend.skinny_linear
+        self.packed_output: torch.Tensor | None = None  # set by pack_weights for a tied output projection
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -156,7 +159,23 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_sampled, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.packed_output is not None:
+            weight = self.packed_output
         return linear(hidden, weight, None, self.backend.skinny_linear).float()
+
+    def pack_weights(self) -> None:
+        """After loading, where the backend multiplies by packed weights (kernels/packed_linear.py):
+        every linear layer's weight into oneDNN's layout, and the vocabulary projection, which
+        is a packed copy when it is tied to the embedding (the lookup still needs the plain one)."""
+        if not self.backend.packs_linears:
+            return
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                pack_weight(module)
+        if self.lm_head is not None:
+            pack_weight(self.lm_head)
+        else:
+            self.packed_output = packed_linear.pack(self.embed_tokens.weight.data)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors; fails naming any tensor the model has no place for, lacks,
