@@ -1,7 +1,7 @@
-"""Hosts one worker role with its sockets on a background thread: what each Ray worker actor
-runs (and what tests start directly). Composition only: engine + role + sockets + loop, and,
-with a metrics port, the worker's Prometheus /metrics (engine/metrics.py) fed by the engine's
-step observer and the KV transfer observers.
+"""Hosts one worker role with its engine and sockets on a background thread: what each Ray
+worker actor runs (and what tests start directly). Composition only: engine + role + sockets +
+loop, and, with a metrics port, the worker's Prometheus /metrics (engine/metrics.py) fed by the
+engine's step observer and the KV transfer observers.
 """
 
 from __future__ import annotations
@@ -61,6 +61,28 @@ class WorkerHost:
         self._dist = (dist_rank, dist_world_size, dist_store_address)
         self.role, self.worker_id = role, worker_id
         self.command_address = f"{host}:{command_port}"
+        self.metrics_port = metrics_port
+        self._host, self._kv_port, self._checksum = host, kv_port, kv_checksum
+        self._router_event_address = router_event_address
+        self._stop = threading.Event()
+        self._go = threading.Event()  # start() lets the built engine serve
+        self._built = threading.Event()
+        self._ready = threading.Event()
+        self.error: BaseException | None = None
+        self.engine: LLMEngine | None = None
+        self.metrics: WorkerMetrics | None = None
+        # The engine is built on the thread that will step it: torch's OpenMP thread pool
+        # belongs to the thread that first runs a parallel region, and a pool left behind by
+        # a loading thread spun beside the serving one, slowing every decode step by 15-25%
+        # on a 2-core machine (both pools competing for the same cores).
+        self._thread = threading.Thread(target=self._run, args=(engine_config, shard_store_address, peak),
+                                        name=f"pdserve-{worker_id}", daemon=True)
+        self._thread.start()
+        self._built.wait()
+        if self.error is not None:
+            raise self.error
+
+    def _build(self, engine_config: EngineConfig, shard_store_address: str | None, peak: Peak | None) -> None:
         group = None
         if engine_config.world_size > 1:
             if shard_store_address is None:
@@ -68,28 +90,21 @@ class WorkerHost:
             layout = ShardLayout(engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size, 0)
             group = ShardGroup.join(layout, shard_store_address, group_backend(engine_config))
         self.engine = LLMEngine(engine_config, group)
-        self.metrics: WorkerMetrics | None = None
-        self.metrics_port = metrics_port
-        if metrics_port is not None:
+        if self.metrics_port is not None:
             peak = peak or measure_peak(engine_config.device, next(self.engine.model.parameters()).dtype)
-            self.metrics = WorkerMetrics(self.engine, worker_id, role, peak)
+            self.metrics = WorkerMetrics(self.engine, self.worker_id, self.role, peak)
             self.engine.add_step_observer(self.metrics.observe_step)
-        self._host, self._kv_port, self._checksum = host, kv_port, kv_checksum
-        self._router_event_address = router_event_address
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"pdserve-{worker_id}", daemon=True)
-        self.error: BaseException | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
         if self.metrics is not None:
             self.metrics.serve(self._host, self.metrics_port)
-        self._thread.start()
+        self._go.set()
         if not self._ready.wait(timeout_s) or self.error is not None:
             raise RuntimeError(f"worker {self.worker_id} did not start: {self.error or 'timed out'}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._go.set()  # a host stopped before it started leaves its thread too
         self._thread.join(timeout_s)
         self.engine.close()  # a sharded engine's followers leave their loop
         if self.metrics is not None:
@@ -108,7 +123,17 @@ class WorkerHost:
         return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_pages": pages,
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
-    def _run(self) -> None:
+    def _run(self, engine_config: EngineConfig, shard_store_address: str | None, peak: Peak | None) -> None:
+        try:
+            self._build(engine_config, shard_store_address, peak)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by __init__
+            self.error = exc
+            return
+        finally:
+            self._built.set()
+        self._go.wait()
+        if self._stop.is_set():
+            return
         # Sockets are created, used and closed on this thread only (ZMQ sockets are not
         # thread-safe).
         events = EventSink(self._router_event_address)

@@ -203,25 +203,26 @@ def test_a_worker_that_dies_mid_stream_with_none_to_take_over_fails_the_request_
 
 
 def test_a_burst_queued_for_prefill_outlives_no_lease(tiny_dir):
-    """24 prompts at once behind one prefill worker take longer to prefill than a decode
-    reservation's 0.5 s lease. Without the router's prefill gate the leases of the queued ones
-    run out (the control); with it they wait in the router holding nothing, and all succeed."""
+    """32 prompts of 1,000 tokens at once behind one prefill worker (64-token chunks) take
+    longer to prefill than a decode reservation's 0.5 s lease. Without the router's prefill gate the
+    leases of the queued ones run out (the control); with it they wait in the router holding
+    nothing, and all succeed."""
     def burst(c):
         def one(i):
             try:
-                streamed(c.stub, request([0] + [(i * 37 + j) % 900 + 3 for j in range(400)], max_tokens=4))
+                streamed(c.stub, request([0] + [(i * 37 + j) % 900 + 3 for j in range(1000)], max_tokens=4))
                 return "ok"
             except grpc.RpcError as exc:
                 return exc.details()
-        with ThreadPoolExecutor(24) as pool:
-            return list(pool.map(one, range(24)))
+        with ThreadPoolExecutor(32) as pool:
+            return list(pool.map(one, range(32)))
 
-    for budget, all_ok in ((10**9, False), (512, True)):
+    for budget, all_ok in ((10**9, False), (1024, True)):
         c = LocalCluster(tiny_dir, "disaggregated", ENGINE, lease_s=0.5, max_prefill_queue_tokens=budget)
         try:
             outcomes = burst(c)
             if all_ok:
-                assert outcomes == ["ok"] * 24
+                assert outcomes == ["ok"] * 32
             else:  # the control: the same burst with no gate loses requests to expired leases
                 assert any("expired" in o for o in outcomes if o != "ok")
             c.wait_pages_free()
