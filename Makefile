@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMPT ?= def fibonacci(n):
 
-.PHONY: install kernels demo test bench clean
+.PHONY: install kernels demo test test-fast lint bench clean
 
 install: $(STAMP) kernels
 
@@ -28,6 +28,15 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The edit-test loop: unit, kernel and layering tests, no cluster, Ray or GPU (under a minute).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not cluster and not ray and not gpu" tests/unit tests/kernels tests/test_*.py
+
+# Lint and type check (what CI runs before the tests).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python benchmarks/engine_steps.py

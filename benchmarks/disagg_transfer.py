@@ -27,15 +27,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import torch
 
-from cluster.bench_metrics import percentile  # noqa: E402
-from cluster.local_cluster import free_port  # noqa: E402
-from configs import EngineConfig  # noqa: E402
-from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine.kv_transfer import KVReceiver, KVSender, TransferState, poll  # noqa: E402
-from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender  # noqa: E402
-from proto import pdserve_pb2 as pb  # noqa: E402
+from configs import EngineConfig
+from engine import LLMEngine, SamplingParams
+from engine.kv_transfer import KVReceiver, KVSender, TransferState, poll
+from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
+from loadgen.metrics import percentile
+from proto import pdserve_pb2 as pb
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def raw_loopback_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
@@ -72,8 +77,8 @@ def _receiver_process(model_dir: str, dtype: str, num_pages: int, page_size: int
     """The decode side in its own process (as in a cluster): a KV cache, a ZMQ receiver, and a
     loop that reports the time each expected transfer completed."""
     from engine.kv_cache import KVCache
-    from engine.loader import DTYPES
-    from engine.model_config import ModelConfig
+    from engine.model.config import ModelConfig
+    from engine.model.loader import DTYPES
 
     cache = KVCache(ModelConfig.from_dir(model_dir), num_pages, page_size, DTYPES[dtype], "cpu")
     frames = ZmqFrameReceiver("127.0.0.1", 0)

@@ -10,7 +10,7 @@ Decode at batch B (every sequence at --context tokens): the step's floor is the 
     compute: 2 x matmul params x B / matmul peak
 with both peaks measured here first (a 1 GiB sum; the best of several 2048^2 matmuls in the
 engine's dtype). Prefill: one --prefill-len prompt per step; tokens/s and MFU = prefill FLOPs
-(engine/roofline.py) / step time / matmul peak. Prints p50/p90/p99 of the step times.
+(engine/metrics/roofline.py) / step time / matmul peak. Prints p50/p90/p99 of the step times.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import torch
 
-from cluster.bench_metrics import summarize  # noqa: E402
-from configs import EngineConfig  # noqa: E402
-from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine.roofline import ModelCost  # noqa: E402
-from engine.step_stats import StepWork  # noqa: E402
+from configs import EngineConfig
+from engine import LLMEngine, SamplingParams
+from engine.metrics.roofline import ModelCost
+from engine.metrics.step_stats import StepWork
+from loadgen.metrics import summarize
 
 
 def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:

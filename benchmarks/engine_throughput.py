@@ -28,12 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import torch
 
-from cluster.bench_metrics import summarize  # noqa: E402
-from configs import EngineConfig  # noqa: E402
-from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine.loader import DTYPES  # noqa: E402
+from configs import EngineConfig
+from engine import LLMEngine, SamplingParams
+from engine.model.loader import DTYPES
+from loadgen.metrics import summarize
 
 
 def fmt_ms(stats: dict[str, float]) -> str:

@@ -6,7 +6,7 @@ oneDNN (kernels/packed_linear.py), side by side in one run.
     python benchmarks/gemm_shapes.py --rows 1,32,512 --dtypes float32
 
 Prints, per dtype and row count, each path's time for the whole set of shapes (median of 7
-timings) and its GFLOP/s; the skinny kernel only up to engine.layers.SKINNY_MAX_ROWS rows.
+timings) and its GFLOP/s; the skinny kernel only up to engine.model.layers.SKINNY_MAX_ROWS rows.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from engine.layers import SKINNY_MAX_ROWS  # noqa: E402
-from engine.loader import DTYPES, resolve_model_path  # noqa: E402
-from engine.model_config import ModelConfig  # noqa: E402
-from kernels import cpu_ops, packed_linear  # noqa: E402
+from engine.model.config import ModelConfig
+from engine.model.layers import SKINNY_MAX_ROWS
+from engine.model.loader import DTYPES, resolve_model_path
+from kernels import cpu_ops, packed_linear
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -69,7 +69,7 @@ def main() -> None:
             flops = 2 * rows * sum(n * k for n, k in shapes)
             cells = []
             for name, fn in paths.items():
-                t = sum(median_time(lambda: fn(x, w, p)) for x, w, p in zip(xs, weights, packed))
+                t = sum(median_time(lambda fn=fn, x=x, w=w, p=p: fn(x, w, p)) for x, w, p in zip(xs, weights, packed))
                 cells.append(f"{name} {1e3 * t:8.2f} ms {flops / t / 1e9:5.0f} GFLOP/s")
             print(f"{str(dtype).removeprefix('torch.'):>9} rows {rows:5d}: " + " | ".join(cells), flush=True)
 

@@ -17,10 +17,10 @@ import argparse
 import math
 from pathlib import Path
 
-from cluster.bench import BenchPlan
 from cluster.bench_compare import run_compare
-from cluster.bench_metrics import SLO, max_rate_at_attainment
-from cluster.bench_workloads import LengthDist, WorkloadSpec
+from loadgen.metrics import SLO, max_rate_at_attainment
+from loadgen.runner import BenchPlan
+from loadgen.workloads import LengthDist, WorkloadSpec
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bench"
 LAYOUTS = {"colocated": "colocated-small.yaml", "1P1D": "disagg-small.yaml", "1P2D": "disagg-1p2d-small.yaml",

@@ -38,10 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from cluster.bench import BenchPlan, run_bench  # noqa: E402
-from cluster.bench_metrics import SLO  # noqa: E402
-from cluster.bench_results import BenchResult, write_result  # noqa: E402
-from cluster.bench_workloads import LengthDist, WorkloadSpec  # noqa: E402
+from loadgen.metrics import SLO
+from loadgen.results import BenchResult, write_result
+from loadgen.runner import BenchPlan, run_bench
+from loadgen.workloads import LengthDist, WorkloadSpec
 
 CONFIGS = {"colocated": REPO / "configs/bench/vs-vllm-colocated.yaml", "1p1d": REPO / "configs/bench/vs-vllm-1p1d.yaml"}
 VLLM_PORT = 8011
@@ -83,7 +83,7 @@ def weight_bytes(model_dir: Path, dtype_bytes: int) -> int:
     """Bytes of every weight in the served dtype (tied embeddings counted once)."""
     from safetensors import safe_open
 
-    from engine.loader import safetensors_files
+    from engine.model.loader import safetensors_files
 
     total = 0
     for file in safetensors_files(model_dir):
@@ -100,7 +100,7 @@ class VllmServer:
         self.script, self.model_dir, self.dtype = script, model_dir, dtype
         self.address = f"http://127.0.0.1:{VLLM_PORT}"
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         subprocess.run(["bash", str(self.script), "start", str(self.model_dir), str(VLLM_PORT), self.dtype], check=True)
         return self
 
@@ -122,7 +122,7 @@ class PdserveCluster:
         self.config = type(config).model_validate(data)
         self.address = f"http://127.0.0.1:{self.config.router.http_port}"
 
-    def __enter__(self) -> "PdserveCluster":
+    def __enter__(self) -> PdserveCluster:
         from cluster import launcher
 
         self.cluster = launcher.up(self.config, timeout_s=600)
@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(REPO / "docs/bench/vs-vllm"))
     args = parser.parse_args(argv)
 
-    from engine.compute_dtype import resolve_dtype
-    from engine.loader import resolve_model_path
+    from engine.model.compute_dtype import resolve_dtype
+    from engine.model.loader import resolve_model_path
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - {"vllm", *CONFIGS}

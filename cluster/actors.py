@@ -10,29 +10,25 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from dataclasses import replace
 
 import ray
 
-from configs import EngineConfig, LoggingConfig, setup_logging
+from cluster.specs import NODE_IP, WorkerSpec
+from configs import LoggingConfig, setup_logging
+from router.spec import RouterSpec
+from router.worker_pool import WorkerEndpoint
 
 
 @ray.remote
 class WorkerActor:
-    def __init__(self, role: str, worker_id: str, engine_config: dict, host: str, command_port: int,
-                 event_address: str, kv: dict, metrics: dict | None = None, logging_config: dict | None = None) -> None:
-        """`metrics`: {"port", "peak_memory_bandwidth_gbps", "peak_tflops"} or None (no /metrics)."""
+    def __init__(self, spec: WorkerSpec, logging_config: LoggingConfig) -> None:
         from cluster.worker_host import WorkerHost
-        from engine.peak import resolve_peak
 
-        setup_logging(LoggingConfig(**(logging_config or {})), component=role, worker_id=worker_id)
-        if host == "node":  # off loopback: bind this node's address (cluster/worker_launch.py)
-            host = ray.util.get_node_ip_address()
-        engine = EngineConfig(**engine_config)
-        served = {}
-        if metrics is not None:
-            served = {"metrics_port": metrics["port"], "peak": resolve_peak(
-                metrics["peak_memory_bandwidth_gbps"], metrics["peak_tflops"], engine.device, engine.dtype)}
-        self.host = WorkerHost(role, worker_id, engine, host, command_port, event_address, **kv, **served)
+        setup_logging(logging_config, component=spec.role, worker_id=spec.worker_id)
+        if spec.host == NODE_IP:  # off loopback: bind this node's address (cluster/worker_launch.py)
+            spec = replace(spec, host=ray.util.get_node_ip_address())
+        self.host = WorkerHost(spec)
         self.host.start()
 
     def ready(self) -> str:
@@ -57,27 +53,22 @@ class WorkerActor:
 
 @ray.remote
 class RouterActor:
-    def __init__(self, model: str, cache_dir: str | None, router_kwargs: dict, host: str, port: int,
-                 http_port: int | None = None, logging_config: dict | None = None) -> None:
-        from engine.loader import resolve_model_path
+    def __init__(self, spec: RouterSpec, logging_config: LoggingConfig) -> None:
         from router.server import Router
-        from router.worker_pool import WorkerEndpoint
 
-        setup_logging(LoggingConfig(**(logging_config or {})), component="router")
-        model_dir = resolve_model_path(model, cache_dir)
-        router_kwargs = dict(router_kwargs)
-        router_kwargs["endpoints"] = [WorkerEndpoint(**e) for e in router_kwargs["endpoints"]]
-        self.router = Router(model_dir, **router_kwargs)
+        setup_logging(logging_config, component="router")
+        self.router = Router(spec)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)
         self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self.router.start(host, port), self.loop).result(30)
+        cfg = spec.router
+        self.port = asyncio.run_coroutine_threadsafe(self.router.start(cfg.host, cfg.grpc_port), self.loop).result(30)
         self.http = None
-        if http_port is not None:  # the OpenAI-compatible front door, on the same event loop
+        if cfg.http_port is not None:  # the OpenAI-compatible front door, on the same event loop
             from router.openai_http import OpenAIServer
 
-            self.http = OpenAIServer(self.router, model_dir, model)
-            asyncio.run_coroutine_threadsafe(self.http.start(host, http_port), self.loop).result(30)
+            self.http = OpenAIServer(self.router, spec.model_dir, spec.model_name)
+            asyncio.run_coroutine_threadsafe(self.http.start(cfg.host, cfg.http_port), self.loop).result(30)
 
     def ready(self) -> bool:
         """True once every role the mode needs has a live worker."""
@@ -86,10 +77,8 @@ class RouterActor:
     def view(self) -> dict:
         return self._on_loop(self._async(self.router.view))
 
-    def add_worker(self, endpoint: dict) -> None:
-        from router.worker_pool import WorkerEndpoint
-
-        self._on_loop(self._async(self.router.add_worker, WorkerEndpoint(**endpoint)))
+    def add_worker(self, endpoint: WorkerEndpoint) -> None:
+        self._on_loop(self._async(self.router.add_worker, endpoint))
 
     def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         return self._on_loop(self.router.drain_worker(worker_id, timeout_s), timeout_s + 10)

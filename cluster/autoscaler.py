@@ -10,7 +10,7 @@ target for `scale_down_delay_s`, one worker at a time, so a burst does not flap 
 
 Capacity: before a resize the controller sets `ray.autoscaler.sdk.request_resources` to the
 bundles of every worker the pools should have, all pools together (the request is absolute).
-On a Ray cluster started from a cluster-launcher YAML (configs/ray-cluster-aws.yaml), the
+On a Ray cluster started from a cluster-launcher YAML (configs/ray/aws-prefill-decode.yaml), the
 Ray autoscaler then adds nodes of the type that offers the pool's custom resource
 (`resources_per_worker`, e.g. decode_slot) and, once the request shrinks and a node idles,
 removes it. A worker created before its node exists waits as a pending actor, which the Ray
@@ -140,7 +140,7 @@ class Autoscaler:
                 while not stop.wait(every):
                     try:
                         self.step()
-                    except Exception:  # noqa: BLE001 - one bad round must not end autoscaling
+                    except Exception:
                         log.exception("autoscaler round failed")
             finally:
                 try:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 
 def _cmd_complete(args: argparse.Namespace) -> int:
-    from engine import LLMEngine, SamplingParams
     from configs import EngineConfig
+    from engine import LLMEngine, SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -60,7 +60,7 @@ def _cmd_complete(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_build(args: argparse.Namespace) -> int:
-    from engine.builtin_models import build_builtin, parse_builtin
+    from engine.model.builtin import build_builtin, parse_builtin
 
     name = parse_builtin(args.name)
     if name is None:
@@ -75,91 +75,39 @@ def _cmd_model_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
-    from cluster import launcher
-    from cluster.autoscaler import Autoscaler
-    from cluster.control import ControlServer
-    from cluster.pools import PoolManager
+    from cluster.lifecycle import Cluster
     from configs import load_cluster_config
 
-    config = load_cluster_config(args.config)
-    existing = launcher.read_state(args.config)
-    if existing and _pid_alive(existing["pid"]):
-        raise SystemExit(f"pdserve: a cluster for {args.config} is already up (pid {existing['pid']}); "
-                         f"run 'pdserve down {args.config}' first")
-    cluster = launcher.up(config, timeout_s=args.timeout, say=lambda line: print(line, flush=True))
-    state = launcher.write_state(args.config, cluster)
-
-    def write_targets() -> Path:
-        with cluster.lock:
-            indices = [(slot.role, slot.index) for slot in cluster.slots.values()]
-        return launcher.write_metrics_targets(args.config, config, indices)
-
-    targets = write_targets()
-    print(f"pdserve: Prometheus targets (file_sd) in {targets}", flush=True)
-    pools = PoolManager(cluster, start_timeout_s=args.timeout, on_change=write_targets)
-    control = ControlServer(pools, f"{config.router.host}:{config.router.control_port}")
-    supervising = threading.Event()
-    threads = []
+    say = _say
+    cluster = Cluster(load_cluster_config(args.config), args.config, timeout_s=args.timeout, say=say).start()
     try:
-        control.start()
-        threads.append(pools.supervise(supervising, say=lambda line: print(line, flush=True)))
-        if any(getattr(config, role) is not None and getattr(config, role).autoscaling is not None
-               for role in ("prefill", "decode", "colocated")):
-            threads.append(Autoscaler(pools, say=lambda line: print(line, flush=True)).run(supervising))
-    except BaseException:
-        supervising.set()
-        cluster.shutdown()
-        state.unlink(missing_ok=True)
-        targets.unlink(missing_ok=True)
-        raise
-    # SIGTERM (what `pdserve down` sends) ends the cluster like Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    print(f"pdserve: cluster up, gRPC at {cluster.grpc_address}; Ctrl-C or 'pdserve down {args.config}' stops it",
-          flush=True)
-    try:
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        print("pdserve: stopping the cluster ...", flush=True)
+        say(f"pdserve: cluster up, gRPC at {cluster.grpc_address}; Ctrl-C or 'pdserve down {args.config}' stops it")
+        cluster.serve_until_signal()
+        say("pdserve: stopping the cluster ...")
     finally:
-        supervising.set()
-        control.close()
-        for thread in threads:  # a round in progress finishes; shutdown then marks the cluster closed
-            thread.join(10)
         cluster.shutdown()
-        state.unlink(missing_ok=True)
-        targets.unlink(missing_ok=True)
-    print("pdserve: stopped", flush=True)
+    say("pdserve: stopped")
     return 0
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    try:  # an exited child its parent has not reaped yet (a zombie) has stopped too
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
     import signal
 
     from cluster import launcher
+    from cluster.lifecycle import pid_alive
 
     state = launcher.read_state(args.config)
-    if state is None or not _pid_alive(state["pid"]):
+    if state is None or not pid_alive(state["pid"]):
         launcher.state_file(args.config).unlink(missing_ok=True)
         print(f"pdserve: no running cluster for {args.config}", file=sys.stderr)
         return 1
     os.kill(state["pid"], signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
-    while _pid_alive(state["pid"]):
+    while pid_alive(state["pid"]):
         if time.monotonic() > deadline:
             print(f"pdserve: cluster (pid {state['pid']}) still stopping after {args.timeout:.0f} s", file=sys.stderr)
             return 1
@@ -172,11 +120,12 @@ def _control(config_path: str, request: dict, timeout_s: float) -> dict:
     """One request to the `up` process of CONFIG's cluster; exits with the reason on failure."""
     from cluster import launcher
     from cluster.control import control_request
+    from cluster.lifecycle import pid_alive
     from configs import load_cluster_config
 
     config = load_cluster_config(config_path)
     state = launcher.read_state(config_path)
-    if state is None or not _pid_alive(state["pid"]):
+    if state is None or not pid_alive(state["pid"]):
         raise SystemExit(f"pdserve: no running cluster for {config_path} (start it with 'pdserve up {config_path}')")
     host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
     try:
@@ -242,18 +191,16 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Up, one streamed request, down: the README's first command."""
-    from cluster import launcher
+    from cluster.lifecycle import Cluster
     from configs import load_cluster_config
 
-    cluster = launcher.up(load_cluster_config(args.config), say=lambda line: print(line, flush=True))
-    try:
+    with Cluster(load_cluster_config(args.config), args.config, say=_say) as cluster:
         args.address, args.config = cluster.grpc_address, None
-        print(f"pdserve: sending {args.prompt!r} to the router at {cluster.grpc_address}\n", flush=True)
+        _say(f"pdserve: sending {args.prompt!r} to the router at {cluster.grpc_address}\n")
         sys.stdout.write(args.prompt)
-        return _cmd_generate(args)
-    finally:
-        cluster.shutdown()
-        print("pdserve: cluster stopped", flush=True)
+        code = _cmd_generate(args)
+    _say("pdserve: cluster stopped")
+    return code
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -295,9 +242,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _bench_plan(args: argparse.Namespace):
     """The BenchPlan the workload flags describe (shared by `bench` and `bench compare`)."""
-    from cluster.bench import BenchPlan
-    from cluster.bench_metrics import SLO
-    from cluster.bench_workloads import LengthDist, WorkloadSpec
+    from loadgen.metrics import SLO
+    from loadgen.runner import BenchPlan
+    from loadgen.workloads import LengthDist, WorkloadSpec
 
     spec = WorkloadSpec(
         args.workload, args.num_prompts,
@@ -311,9 +258,9 @@ def _bench_plan(args: argparse.Namespace):
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from cluster.bench import run_bench
-    from cluster.bench_plots import plot_results
-    from cluster.bench_results import write_result
+    from loadgen import plot_if_available
+    from loadgen.results import write_result
+    from loadgen.runner import run_bench
 
     if args.address is None:
         raise SystemExit("pdserve: bench needs --address (gRPC HOST:PORT, or the HTTP base URL with --backend openai)")
@@ -321,14 +268,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     label = args.label or args.workload
     result = run_bench(args.backend, args.address, plan, label, model=args.model, progress=not args.no_progress)
     out = Path(args.out)
-    paths = [*write_result(result, out)] + ([] if args.no_plots else plot_results([result], out, prefix=f"{label}-"))
+    paths = [*write_result(result, out)] + ([] if args.no_plots else plot_if_available([result], out, prefix=f"{label}-"))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r.ok for run in result.runs for r in run.records) else 1
 
 
 def _cmd_bench_plot(args: argparse.Namespace) -> int:
-    from cluster.bench_plots import plot_results
-    from cluster.bench_results import load_result
+    from loadgen.results import load_result
+
+    try:
+        from loadgen.plots import plot_results
+    except ImportError:
+        raise SystemExit("pdserve: bench plot needs matplotlib: pip install 'pdserve[plots]'") from None
 
     results = [load_result(p) for p in args.results]
     labels = [r.label for r in results]
@@ -340,14 +291,11 @@ def _cmd_bench_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_compare(args: argparse.Namespace) -> int:
-    from cluster import launcher
     from cluster.bench_compare import run_compare
+    from cluster.lifecycle import refuse_if_up
 
     for config in args.configs:  # its ports are taken: refuse before starting anything
-        state = launcher.read_state(config)
-        if state and _pid_alive(state["pid"]):
-            raise SystemExit(f"pdserve: a cluster for {config} is already up (pid {state['pid']}); "
-                             f"run 'pdserve down {config}' first")
+        refuse_if_up(config)
     results = run_compare([Path(c) for c in args.configs], _bench_plan(args), args.backend, Path(args.out),
                           timeout_s=args.timeout, progress=not args.no_progress,
                           say=lambda line: print(line, flush=True))
@@ -379,7 +327,7 @@ def _rate_list(text: str) -> list[float]:
 
 def _bench_workload_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     """What to send and how: the same flags for `bench` and `bench compare`."""
-    from cluster.bench_workloads import LENGTH_DISTS, WORKLOADS
+    from loadgen.workloads import LENGTH_DISTS, WORKLOADS
 
     parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
                         help="grpc: pdserve's router; openai: any server's streaming /v1/completions (default grpc)")

@@ -80,7 +80,7 @@ class ControlServer:
             raise ScaleError(f"unknown control op {op!r}; expected 'status' or 'scale'")
         except (ScaleError, ValueError, TypeError, msgpack.UnpackException) as exc:
             return {"ok": False, "error": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - the client gets the reason, the up process goes on
+        except Exception as exc:
             log.exception("control request failed")
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 

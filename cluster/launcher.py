@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.specs import model_cache_dir, router_spec
 from cluster.worker_launch import WorkerSlot, start_worker, worker_host
 from configs import ClusterConfig
 
@@ -79,7 +80,7 @@ def _init_ray(config: ClusterConfig) -> bool:
     if config.ray.address:
         ray.init(address=config.ray.address, namespace=config.ray.namespace, log_to_driver=False)
         return False
-    # Keep the embedded cluster on loopback (DESIGN.md section 5) and never join a stale one.
+    # Keep the embedded cluster on loopback (docs/design.md §5) and never join a stale one.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", namespace=config.ray.namespace, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
@@ -88,16 +89,19 @@ def _init_ray(config: ClusterConfig) -> bool:
 
 def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningCluster:
     import ray
-
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from cluster.actors import RouterActor
+    from engine.model.loader import resolve_model_path
 
     owns_ray = _init_ray(config)
     host = worker_host(config)
     slots: dict[str, WorkerSlot] = {}
     router = None
     try:
+        # The checkpoint is resolved (a built-in one built, once, before any worker looks for it)
+        # here, on the node the router is pinned to, so the router process never loads torch.
+        model_dir = resolve_model_path(config.model, model_cache_dir(config))
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(config, role)
             for i in range(pool.num_workers if pool is not None else 0):
@@ -105,24 +109,12 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
                 slots[slot.worker_id] = slot
         for wid, address in wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say).items():
             slots[wid].resolve(address)
-        router_kwargs = {
-            "endpoints": [slot.endpoint() for slot in slots.values()],
-            "event_address": f"{config.router.host}:{config.router.worker_event_port}",
-            "mode": config.mode, "policy": config.router.policy,
-            "max_queued_requests": config.router.max_queued_requests,
-            "kv_timeout_s": config.kv_transfer.timeout_s, "lease_s": config.kv_transfer.reservation_lease_s,
-            "slo_ttft_ms": config.router.slo_ttft_ms, "slo_tpot_ms": config.router.slo_tpot_ms,
-            "slo_window_s": config.router.slo_window_s, "max_attempts": config.router.max_attempts,
-            "retry_wait_s": config.router.retry_wait_s, "heartbeat_timeout_s": config.router.heartbeat_timeout_s,
-            "max_prefill_queue_tokens": config.router.max_prefill_queue_tokens,
-        }
+        spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], config.router.host)
         # Pinned to this node: router.host (or, for 0.0.0.0, this node's IP) is where clients and
         # workers find it. Several calls at once: a drain waits on the router while status reads it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         router = RouterActor.options(name="pdserve-router", num_cpus=0, max_concurrency=8,
-                                     scheduling_strategy=here).remote(
-            config.model, None, router_kwargs, config.router.host, config.router.grpc_port, config.router.http_port,
-            config.logging.model_dump())
+                                     scheduling_strategy=here).remote(spec, config.logging)
         deadline = time.monotonic() + timeout_s
         say("router: waiting for every worker's heartbeat ...")
         while not ray.get(router.ready.remote(), timeout=max(1.0, deadline - time.monotonic())):
@@ -160,7 +152,7 @@ def wait_ready(actors: dict[str, object], timeout_s: float, say) -> dict[str, ob
         name = pending.pop(done[0])
         try:
             replies[name] = ray.get(done[0])
-        except Exception as exc:  # noqa: BLE001 - reported with the worker's name
+        except Exception as exc:
             raise RuntimeError(f"{name} failed to start: {exc}") from exc
         say(f"{name}: ready")
     return replies

@@ -17,10 +17,10 @@ import threading
 import time
 
 from cluster.launcher import RunningCluster, wait_ready
+from cluster.specs import ROLES
 from cluster.worker_launch import start_worker
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode", "colocated")
 
 
 class ScaleError(ValueError):
@@ -160,7 +160,7 @@ class PoolManager:
             while not stop.wait(every_s):
                 try:
                     self.replace_dead(say)
-                except Exception:  # noqa: BLE001 - supervision must outlive one bad round
+                except Exception:
                     log.exception("supervisor round failed")
 
         thread = threading.Thread(target=loop, name="pdserve-supervisor", daemon=True)

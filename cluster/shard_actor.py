@@ -2,7 +2,7 @@
 
 `pdserve up` creates one per follower rank in the worker's placement group
 (cluster/placement.py), next to the WorkerActor that is rank 0. The actor only hosts
-engine.shard_follower.run_follower on a thread: it joins the worker's process group, loads
+engine.parallel.shard_follower.run_follower on a thread: it joins the worker's process group, loads
 its shard and executes the driver's commands until the driver sends STOP.
 """
 
@@ -17,12 +17,11 @@ from configs import EngineConfig
 
 @ray.remote
 class ShardActor:
-    def __init__(self, worker_id: str, rank: int, engine_config: dict, store_address: str) -> None:
-        from engine.shard_follower import run_follower
+    def __init__(self, worker_id: str, rank: int, config: EngineConfig, store_address: str) -> None:
+        from engine.parallel.shard_follower import run_follower
 
         self.worker_id, self.rank = worker_id, rank
         self.error: str | None = None
-        config = EngineConfig(**engine_config)
 
         def run() -> None:
             try:

@@ -1,6 +1,6 @@
 """Hosts one worker role with its engine and sockets on a background thread: what each Ray
 worker actor runs (and what tests start directly). Composition only: engine + role + sockets +
-loop, and, with a metrics port, the worker's Prometheus /metrics (engine/metrics.py) fed by the
+loop, and, with a metrics port, the worker's Prometheus /metrics (engine/metrics/worker_metrics.py) fed by the
 engine's step observer and the KV transfer observers.
 """
 
@@ -11,21 +11,19 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from configs import EngineConfig
+from cluster.serving_loop import EventSink, serve
+from cluster.specs import NODE_IP, WorkerSpec
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
 from engine.kv_transfer import KVSender, torch_dist
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
-from engine.metrics import WorkerMetrics
-from engine.parallel import ShardGroup, ShardLayout
-from engine.peak import Peak, measure_peak
-from engine.serving_loop import EventSink, serve
-from engine.shard_follower import group_backend
+from engine.metrics.peak import Peak, resolve_peak
+from engine.metrics.worker_metrics import WorkerMetrics
+from engine.parallel.layout import ShardGroup, ShardLayout
+from engine.parallel.shard_follower import group_backend
 from prefill_worker.worker import PrefillWorker
 from proto import worker_messages as wm
-
-ROLES = ("prefill", "decode", "colocated")
 
 
 class WorkerCrashed(BaseException):
@@ -34,36 +32,21 @@ class WorkerCrashed(BaseException):
 
 
 class WorkerHost:
-    def __init__(self, role: str, worker_id: str, engine_config: EngineConfig, host: str, command_port: int,
-                 router_event_address: str, kv_port: int | None = None, kv_checksum: bool = False,
-                 kv_transport: str = "zmq", dist_rank: int | None = None, dist_world_size: int | None = None,
-                 dist_store_address: str | None = None, metrics_port: int | None = None,
-                 peak: Peak | None = None, shard_store_address: str | None = None,
+    def __init__(self, spec: WorkerSpec, peak: Peak | None = None,
                  crash_when: Callable[[object], str | None] | None = None) -> None:
-        """`metrics_port`: serve /metrics there (None = no metrics); `peak`: what MBU / MFU are
-        measured against (None = measured now, engine/peak.py); `shard_store_address`: a
-        TP x PP engine's group store, which this host (rank 0) opens and its follower ranks
-        (cluster/shard_actor.py) join; `crash_when` (fault-injection tests only): sees each
-        event the role emits and answers "before" or "after" (sending it) to crash the worker
-        there, None to go on."""
-        if role not in ROLES:
-            raise ValueError(f"unknown worker role {role!r}; choose one of {ROLES}")
-        if kv_transport not in ("zmq", "torch_dist"):
-            raise ValueError(f"unknown KV transport {kv_transport!r}; choose 'zmq' or 'torch_dist'")
-        if role == "decode" and kv_transport == "zmq" and kv_port is None:
-            raise ValueError("a decode worker needs a kv_port to receive KV on")
-        if kv_transport == "torch_dist" and role != "colocated" and None in (dist_rank, dist_world_size, dist_store_address):
-            raise ValueError("the torch_dist KV transport needs dist_rank, dist_world_size and dist_store_address")
-        self._kv_transport = kv_transport
+        """`spec`: what this worker is (cluster/specs.py); `peak`: what MBU / MFU are measured
+        against (None = the spec's configured peaks, or measured now, engine/metrics/peak.py);
+        `crash_when` (fault-injection tests only): sees each event the role emits and answers
+        "before" or "after" (sending it) to crash the worker there, None to go on."""
+        if spec.host == NODE_IP:
+            raise ValueError("resolve the node's address before hosting a worker (WorkerActor does)")
+        self.spec = spec
         self._crash_when = crash_when
         self.crashed = False
         self.incarnation = uuid.uuid4().hex  # in every heartbeat: the router tells a replacement apart
-        self._dist = (dist_rank, dist_world_size, dist_store_address)
-        self.role, self.worker_id = role, worker_id
-        self.command_address = f"{host}:{command_port}"
-        self.metrics_port = metrics_port
-        self._host, self._kv_port, self._checksum = host, kv_port, kv_checksum
-        self._router_event_address = router_event_address
+        self.role, self.worker_id = spec.role, spec.worker_id
+        self.command_address = spec.command_address
+        self.metrics_port = spec.metrics_port
         self._stop = threading.Event()
         self._go = threading.Event()  # start() lets the built engine serve
         self._built = threading.Event()
@@ -75,14 +58,14 @@ class WorkerHost:
         # belongs to the thread that first runs a parallel region, and a pool left behind by
         # a loading thread spun beside the serving one, slowing every decode step by 15-25%
         # on a 2-core machine (both pools competing for the same cores).
-        self._thread = threading.Thread(target=self._run, args=(engine_config, shard_store_address, peak),
-                                        name=f"pdserve-{worker_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(peak,), name=f"pdserve-{spec.worker_id}", daemon=True)
         self._thread.start()
         self._built.wait()
         if self.error is not None:
             raise self.error
 
-    def _build(self, engine_config: EngineConfig, shard_store_address: str | None, peak: Peak | None) -> None:
+    def _build(self, peak: Peak | None) -> None:
+        engine_config, shard_store_address = self.spec.engine, self.spec.shard_store_address
         group = None
         if engine_config.world_size > 1:
             if shard_store_address is None:
@@ -91,13 +74,14 @@ class WorkerHost:
             group = ShardGroup.join(layout, shard_store_address, group_backend(engine_config))
         self.engine = LLMEngine(engine_config, group)
         if self.metrics_port is not None:
-            peak = peak or measure_peak(engine_config.device, next(self.engine.model.parameters()).dtype)
+            peak = peak or resolve_peak(self.spec.peak_memory_bandwidth_gbps, self.spec.peak_tflops,
+                                        engine_config.device, engine_config.dtype)
             self.metrics = WorkerMetrics(self.engine, self.worker_id, self.role, peak)
             self.engine.add_step_observer(self.metrics.observe_step)
 
     def start(self, timeout_s: float = 30.0) -> None:
         if self.metrics is not None:
-            self.metrics.serve(self._host, self.metrics_port)
+            self.metrics.serve(self.spec.host, self.metrics_port)
         self._go.set()
         if not self._ready.wait(timeout_s) or self.error is not None:
             raise RuntimeError(f"worker {self.worker_id} did not start: {self.error or 'timed out'}")
@@ -111,21 +95,20 @@ class WorkerHost:
             self.metrics.close()
 
     def page_stats(self) -> dict[str, int]:
-        return self.engine.page_stats()
+        return self.engine.snapshot.page_stats()
 
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
     def state(self) -> dict:
         """Queues and KV pages, read from another thread (a snapshot; may be a step behind)."""
-        sched = self.engine.scheduler
-        pages = self.engine.page_stats()
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "kv_pages": pages,
+        snap = self.engine.snapshot
+        return {"running": snap.num_running, "waiting": snap.num_waiting, "kv_pages": snap.page_stats(),
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
-    def _run(self, engine_config: EngineConfig, shard_store_address: str | None, peak: Peak | None) -> None:
+    def _run(self, peak: Peak | None) -> None:
         try:
-            self._build(engine_config, shard_store_address, peak)
+            self._build(peak)
         except BaseException as exc:  # noqa: BLE001 - re-raised by __init__
             self.error = exc
             return
@@ -136,14 +119,14 @@ class WorkerHost:
             return
         # Sockets are created, used and closed on this thread only (ZMQ sockets are not
         # thread-safe).
-        events = EventSink(self._router_event_address)
+        events = EventSink(self.spec.router_event_address)
         closers = [events.close]
         try:
             role = self._make_role(self._faulty(events.emit) if self._crash_when else events.emit, closers)
             serve(role, self.command_address, events, self._load(role), self._stop, on_ready=self._ready.set)
         except WorkerCrashed:
             self.crashed = True
-        except BaseException as exc:  # noqa: BLE001 - reported to start() / the actor
+        except BaseException as exc:
             self.error = exc
             self._ready.set()
             raise
@@ -168,17 +151,18 @@ class WorkerHost:
         if self.role == "colocated":
             return ColocatedWorker(self.worker_id, self.engine, emit)
         device = self.engine.config.device
-        if self._kv_transport == "torch_dist":
-            rank, world_size, store = self._dist
-            if self._host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        spec = self.spec
+        if spec.kv_transport == "torch_dist":
+            rank, world_size, store = spec.dist_rank, spec.dist_world_size, spec.dist_store_address
+            if spec.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
                 os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a loopback cluster: keep gloo on lo
             torch_dist.join_group(rank, world_size, store, backend="nccl" if device.startswith("cuda") else "gloo")
             closers.append(torch_dist.leave_group)
         if self.role == "decode":
-            if self._kv_transport == "torch_dist":
+            if spec.kv_transport == "torch_dist":
                 receiver = torch_dist.DistFrameReceiver(device)
             else:
-                receiver = ZmqFrameReceiver(self._host, self._kv_port)
+                receiver = ZmqFrameReceiver(spec.host, spec.kv_port)
                 closers.append(receiver.close)
             return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
                                 transfer_observer=observe_transfer)
@@ -191,7 +175,7 @@ class WorkerHost:
                 else:
                     frames = ZmqFrameSender(address)
                     closers.append(frames.close)
-                senders[address] = KVSender(frames, checksum=self._checksum, observer=observe_transfer)
+                senders[address] = KVSender(frames, checksum=spec.kv_checksum, observer=observe_transfer)
             return senders[address]
 
         return PrefillWorker(self.worker_id, self.engine, open_sender, emit)
@@ -200,8 +184,8 @@ class WorkerHost:
         engine, worker_id, name, incarnation = self.engine, self.worker_id, self.role, self.incarnation
 
         def load() -> wm.Load:
-            queued = role.num_queued_tokens if isinstance(role, PrefillWorker) else 0
-            return wm.Load(worker_id, name, queued, engine.page_manager.num_free_pages, len(engine.scheduler.running),
-                           incarnation)
+            queued = role.queued_tokens if isinstance(role, PrefillWorker) else 0
+            snap = engine.snapshot
+            return wm.Load(worker_id, name, queued, snap.free_pages, snap.num_running, incarnation)
 
         return load

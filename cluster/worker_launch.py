@@ -14,10 +14,12 @@ owner of those resources.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cluster.placement import PlacedGroup, place_worker_group
+from cluster.specs import NODE_IP, worker_spec
 from configs import ClusterConfig
+from router.worker_pool import WorkerEndpoint
 
 
 @dataclass
@@ -34,8 +36,8 @@ class WorkerSlot:
         """The address the worker bound, from its `ready()` reply (its node's IP off loopback)."""
         self.command_address = ready_reply
 
-    def endpoint(self) -> dict:
-        return {"worker_id": self.worker_id, "role": self.role, "command_address": self.command_address}
+    def endpoint(self) -> WorkerEndpoint:
+        return WorkerEndpoint(self.worker_id, self.role, self.command_address)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Asks the worker to stop its loop (its followers leave theirs), then kills everything."""
@@ -75,9 +77,6 @@ def on_loopback(config: ClusterConfig) -> bool:
         config.router.host == "0.0.0.0" and config.ray.address is None)
 
 
-NODE_IP = "node"  # a worker binds the IP of the node Ray put it on
-
-
 def _bundle_node_ip(group: PlacedGroup) -> str:
     """The IP of the node holding bundle 0 (rank 0, whose process opens the shard store)."""
     import ray
@@ -95,38 +94,25 @@ def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float)
 
     pool = getattr(config, role)
     router_host = worker_host(config)
-    host = router_host if on_loopback(config) else NODE_IP
-    worker_id = f"{role}-{index}"
-    engine = config.engine_config(pool).model_dump()
-    kv = {"kv_port": pool.kv_base_port + index if role == "decode" else None,
-          "kv_checksum": config.kv_transfer.checksum, "kv_transport": config.kv_transfer.transport}
-    if config.kv_transfer.transport == "torch_dist" and role != "colocated":
-        kv.update(dist_rank=config.kv_dist_ranks()[worker_id], dist_world_size=len(config.kv_dist_ranks()),
-                  dist_store_address=f"{router_host}:{config.kv_transfer.dist_port}")
-    metrics = None
-    if pool.metrics_base_port is not None:
-        metrics = {"port": pool.metrics_base_port + index, "peak_tflops": pool.peak_tflops,
-                   "peak_memory_bandwidth_gbps": pool.peak_memory_bandwidth_gbps}
+    spec = worker_spec(config, role, index, router_host if on_loopback(config) else NODE_IP, router_host)
     placement, shards, group = {}, [], None
     try:
         if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each
-            group = place_worker_group(pool, worker_id, timeout_s)
-            store_host = host if host != NODE_IP else _bundle_node_ip(group)
-            kv["shard_store_address"] = f"{store_host}:{pool.shard_base_port + index}"
+            group = place_worker_group(pool, spec.worker_id, timeout_s)
+            store_host = spec.host if spec.host != NODE_IP else _bundle_node_ip(group)
+            spec = replace(spec, shard_store_address=f"{store_host}:{pool.shard_base_port + index}")
             placement = {"scheduling_strategy": group.strategy(0)}
             for rank in range(1, pool.engine.world_size):
                 shards.append(ShardActor.options(
-                    name=f"pdserve-{worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
+                    name=f"pdserve-{spec.worker_id}-rank{rank}", num_cpus=pool.num_cpus_per_worker,
                     num_gpus=pool.num_gpus_per_worker, resources=dict(pool.resources_per_worker),
                     scheduling_strategy=group.strategy(rank),
-                ).remote(worker_id, rank, engine, kv["shard_store_address"]))
-        command_address = f"{host}:{pool.base_port + index}"
+                ).remote(spec.worker_id, rank, spec.engine, spec.shard_store_address))
         actor = WorkerActor.options(
-            name=f"pdserve-{worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
+            name=f"pdserve-{spec.worker_id}", num_cpus=pool.num_cpus_per_worker, num_gpus=pool.num_gpus_per_worker,
             resources=dict(pool.resources_per_worker), **placement,
-        ).remote(role, worker_id, engine, host, pool.base_port + index,
-                 f"{router_host}:{config.router.worker_event_port}", kv, metrics, config.logging.model_dump())
+        ).remote(spec, config.logging)
     except BaseException:
-        WorkerSlot(worker_id, role, index, None, "", shards, group).kill()  # what was made so far
+        WorkerSlot(spec.worker_id, role, index, None, "", shards, group).kill()  # what was made so far
         raise
-    return WorkerSlot(worker_id, role, index, actor, command_address, shards, group)
+    return WorkerSlot(spec.worker_id, role, index, actor, spec.command_address, shards, group)

@@ -60,7 +60,7 @@ class AutoscalingConfig(_Strict):
     cooldown_s: float = Field(30.0, ge=0, description="after a resize, latency breaches wait this long (stale window)")
 
     @model_validator(mode="after")
-    def _check_bounds(self) -> "AutoscalingConfig":
+    def _check_bounds(self) -> AutoscalingConfig:
         if self.max_workers < self.min_workers:
             raise ValueError(f"max_workers ({self.max_workers}) is below min_workers ({self.min_workers})")
         return self
@@ -100,7 +100,7 @@ class PoolConfig(_Strict):
         return max(limits)
 
     @model_validator(mode="after")
-    def _check_sharding(self) -> "PoolConfig":
+    def _check_sharding(self) -> PoolConfig:
         if self.max_workers is not None and self.max_workers < self.num_workers:
             raise ValueError(f"max_workers ({self.max_workers}) is below num_workers ({self.num_workers})")
         a = self.autoscaling
@@ -145,7 +145,7 @@ class ClusterConfig(_Strict):
     logging: LoggingConfig = LoggingConfig()
 
     @model_validator(mode="after")
-    def _check_combination(self) -> "ClusterConfig":
+    def _check_combination(self) -> ClusterConfig:
         if self.mode == "disaggregated":
             if self.prefill is None or self.decode is None:
                 raise ValueError("mode 'disaggregated' needs both 'prefill' and 'decode' pools")

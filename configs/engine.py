@@ -18,7 +18,7 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     # auto: bfloat16 on GPU and on CPUs with native bf16 (AVX512-BF16, AMX), float32 elsewhere
-    # (engine/compute_dtype.py); bf16 on an AVX2-only CPU is about 4x slower than float32.
+    # (engine/model/compute_dtype.py); bf16 on an AVX2-only CPU is about 4x slower than float32.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
@@ -32,7 +32,7 @@ class EngineSettings(BaseModel):
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context length")
     cache_dir: str | None = Field(None, description="where built-in models are written; default ~/.cache/pdserve")
-    # One worker spans tensor_parallel_size x pipeline_parallel_size processes (engine/parallel.py);
+    # One worker spans tensor_parallel_size x pipeline_parallel_size processes (engine/parallel/layout.py);
     # the model must split evenly (heads, kv heads, MLP width by TP; at least one layer per stage).
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="shards per layer (attention heads, MLP)")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="stages, each a contiguous run of layers")
@@ -43,7 +43,7 @@ class EngineSettings(BaseModel):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @model_validator(mode="after")
-    def _check_budgets(self) -> "EngineSettings":
+    def _check_budgets(self) -> EngineSettings:
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise the sequences at the tail of a full batch never get a decode token.
             raise ValueError(

@@ -1,6 +1,6 @@
 """The end-of-sequence token ids a Hugging Face checkpoint stops on: config.json's
 `eos_token_id` plus generation_config.json's (chat models add an end-of-turn token there), each
-an int, a list or null. Read by the engine (engine/model_config.py) and by the router, which
+an int, a list or null. Read by the engine (engine/model/config.py) and by the router, which
 must know when a stream has already ended before it resumes one on another worker."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Structured logs for every pdserve process: one setup call per process, one event logger per
 component, and a request id that follows a request across router, prefill and decode.
 
-Lives in configs/ because every layer may import configs (DESIGN.md section 1), including the
+Lives in configs/ because every layer may import configs (docs/design.md §1), including the
 torch-free router. Data flow: the composition root (cluster/) calls `setup_logging` once when a
 process starts, with the cluster YAML's `logging:` block; each component (the router, every
 worker role) holds an `EventLog(component, worker_id)` and calls `event("admitted",

@@ -45,3 +45,7 @@ class ColocatedWorker:
                                completion_tokens=len(out.token_ids))
             self.emit(tokens_message(self.worker_id, out))
         return True
+
+    def publish(self) -> None:
+        """What other threads read (heartbeats, status, metrics) made current; on this thread."""
+        self.engine.publish_snapshot()

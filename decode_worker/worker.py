@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 from configs.logging_setup import EventLog
 from engine import LLMEngine, RequestOutput, SamplingParams
-from engine.kv_transfer import BaseFrameReceiver, KVReceiver, TransferState, poll
-from engine.kv_transfer.base import TransferObserver
+from engine.kv_transfer import BaseFrameReceiver, KVReceiver, TransferObserver, TransferState, poll
 from proto.worker_messages import (
     Abort,
     Failed,
@@ -95,6 +94,10 @@ class DecodeWorker:
         for out in self.engine.step():
             self._emit_tokens(out)
         return True
+
+    def publish(self) -> None:
+        """What other threads read (heartbeats, status, metrics) made current; on this thread."""
+        self.engine.publish_snapshot()
 
     def _emit_tokens(self, out: RequestOutput) -> None:
         if out.finished:

@@ -23,19 +23,20 @@ import torch
 
 from configs.engine import EngineConfig
 from engine.kv_cache import KVCache
-from engine.kv_handoff import KVHandoff
-from engine.loader import load_tokenizer, resolve_model_path
+from engine.kv_transfer.handoff import KVHandoff
+from engine.metrics.step_stats import StepStats, StepWork
+from engine.model.loader import load_tokenizer, resolve_model_path
 from engine.model_runner import ModelRunner
-from engine.model_shard import load_shard
 from engine.page_manager import PageManager
-from engine.parallel import ShardGroup, ShardLayout
+from engine.parallel.layout import ShardGroup, ShardLayout
+from engine.parallel.model_shard import load_shard
+from engine.parallel.shard_executor import GroupDriver, LocalExecutor
+from engine.parallel.sharded_kv_cache import ShardedKVCache
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.step_stats import StepStats, StepWork
-from engine.shard_executor import GroupDriver, LocalExecutor
-from engine.sharded_kv_cache import ShardedKVCache
+from engine.snapshot import EngineSnapshot
 
 
 @dataclass
@@ -70,7 +71,7 @@ def token_id_list(tokens: object) -> list[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig, group: ShardGroup | None = None) -> None:
         """`group`: this process is rank 0 (the driver) of a tensor/pipeline-parallel worker
-        whose other ranks run engine.shard_follower; None = the whole model here."""
+        whose other ranks run engine.parallel.shard_follower; None = the whole model here."""
         self.config = config
         self.model_path = resolve_model_path(config.model, config.cache_dir)
         backend_name = config.attention_backend
@@ -80,7 +81,7 @@ class LLMEngine:
         if config.world_size > 1 and group is None:
             raise ValueError(
                 f"tensor_parallel_size x pipeline_parallel_size = {config.world_size} needs a shard group: "
-                "start the worker with `pdserve up` or engine.shard_follower.start_local_group")
+                "start the worker with `pdserve up` or engine.parallel.shard_follower.start_local_group")
         layout = group.layout if group is not None else ShardLayout(1, 1, 0)
         shard = load_shard(config, self.model_path, layout, group)
         self.model, num_pages = shard.model, shard.num_pages
@@ -104,6 +105,8 @@ class LLMEngine:
         self._num_arrivals = 0
         self.num_steps = 0
         self._step_observers: list[Callable[[StepStats], None]] = []
+        self.snapshot = EngineSnapshot()
+        self.publish_snapshot()
 
     def add_step_observer(self, observer: Callable[[StepStats], None]) -> None:
         """`observer(stats)` runs after every step that computed something (live metrics)."""
@@ -193,7 +196,9 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         if not self._step_observers:
-            return self._run(sched)
+            outputs = self._run(sched)
+            self.publish_snapshot()
+            return outputs
         work = StepWork.of(sched.scheduled)  # before the step advances progress
         now = time.monotonic()
         queue_times = []
@@ -205,6 +210,7 @@ class LLMEngine:
         pm = self.page_manager
         stats = StepStats(work, time.perf_counter() - start, tuple(queue_times), pm.num_referenced_pages,
                           pm.num_free_pages)
+        self.publish_snapshot()
         for observer in self._step_observers:
             observer(stats)
         return outputs
@@ -263,13 +269,22 @@ class LLMEngine:
 
     # -- introspection (tests, metrics) -------------------------------------------------------
     def page_stats(self) -> dict[str, int]:
-        pm = self.page_manager
-        return {
-            "num_pages": pm.num_pages,
-            "free": pm.num_free_pages,
-            "referenced": pm.num_referenced_pages,
-            "cached": pm.num_cached_pages,
-        }
+        """KV page counts now; on the engine's own thread only (other threads read `snapshot`)."""
+        return self._take_snapshot().page_stats()
+
+    def publish_snapshot(self) -> EngineSnapshot:
+        """Replaces `snapshot` with the state now. Called on the engine's own thread: by `step`, and
+        by the serving loop after each turn (reservations and admissions change pages between steps)."""
+        self.snapshot = self._take_snapshot()
+        return self.snapshot
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        pm, sched = self.page_manager, self.scheduler
+        return EngineSnapshot(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_pages=pm.num_pages,
+            free_pages=pm.num_free_pages, referenced_pages=pm.num_referenced_pages, cached_pages=pm.num_cached_pages,
+            prefix_queried_tokens=pm.prefix_queries_tokens, prefix_hit_tokens=pm.prefix_hit_tokens,
+            num_steps=self.num_steps)
 
     def encode(self, text: str) -> list[int]:
         """Tokenizes a text prompt the way Hugging Face does (BOS added where the model adds it)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 class KVCache:

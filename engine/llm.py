@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from configs.engine import EngineConfig
 from engine.engine import LLMEngine, RequestOutput, token_id_list
+from engine.parallel.shard_follower import start_local_group
 from engine.sampling_params import SamplingParams
-from engine.shard_follower import start_local_group
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class LLM:
             self._local_group.stop()
             self._local_group = None
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

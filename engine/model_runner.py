@@ -1,7 +1,7 @@
 """Turns a scheduler decision into a ForwardBatch, runs the model, returns the logits to sample.
 
 Sits between the engine's step loop (engine/engine.py) and the model: an executor
-(engine/shard_executor.py) runs the batch on this process or across a TP x PP group; the
+(engine/parallel/shard_executor.py) runs the batch on this process or across a TP x PP group; the
 runner knows nothing about request lifecycles.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.models.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM
+from engine.parallel.shard_executor import GroupDriver, LocalExecutor
 from engine.scheduler import ScheduledSeq
-from engine.shard_executor import GroupDriver, LocalExecutor
 
 
 class ModelRunner:

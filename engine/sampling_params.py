@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
 GREEDY_TEMPERATURE = 1e-5
 
 

@@ -1,6 +1,6 @@
 """The compiled CPU ops (kernels/cpu/*.cpp), built on first use.
 
-The CPU serving path of engine/attention.py: `paged_attention` attends a whole mixed batch
+The CPU serving path of engine/model/attention.py: `paged_attention` attends a whole mixed batch
 (decode rows and prefill chunks) reading K/V pages in place, `store_kv` scatters a step's K/V
 into its slots; both take the arguments of their kernels/reference.py twins, which stay the
 oracle in tests and the fallback when no compiler is at hand. `skinny_linear` is x W^T (+ b)
@@ -73,7 +73,7 @@ def load(verbose: bool = False) -> ModuleType | None:
                 extra_ldflags=["-fopenmp"],
                 verbose=verbose,
             )
-        except Exception as exc:  # a missing compiler or ninja: serve on the torch path instead
+        except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja: serve on the torch path instead
             _error = f"{type(exc).__name__}: {exc}".strip()[:2000]
         return _module
 

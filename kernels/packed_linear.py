@@ -1,12 +1,13 @@
 """x W^T (+ b) on CPU with the weight packed once, at load, into oneDNN's blocked layout.
 
-Where the CPU serving path's linear layers go (engine/layers.py `linear`, chosen by the `cpu`
-backend of engine/attention.py). A plain F.linear hands a row-major weight to BLAS, which
+Where the CPU serving path's linear layers go (engine/model/layers.py `linear`, chosen by the `cpu`
+backend of engine/model/attention.py). A plain F.linear hands a row-major weight to BLAS, which
 re-packs it into cache-sized panels on every call; a weight packed once skips that. Measured
 side by side on the builtin:small layer shapes (2-core Zen 4, `python benchmarks/gemm_shapes.py`):
 1.8-3x F.linear at 16-64 rows (decode batches) in float32, 1.2-1.7x in bfloat16, 1.15x at 512
-rows (prefill chunks), and 2x the weight-streaming skinny kernel from 16 rows up. This is what vLLM's CPU backend gets from its own oneDNN build; here it
-is PyTorch's bundled oneDNN, so no extra install.
+rows (prefill chunks), and 2x the weight-streaming skinny kernel from 16 rows up. This is what
+vLLM's CPU backend gets from its own oneDNN build; here it is PyTorch's bundled oneDNN, so no
+extra install.
 
 `pack` returns None where this torch has no oneDNN or oneDNN refuses the dtype; callers then
 keep the plain weight and F.linear.

@@ -1,6 +1,6 @@
 """Pure-torch paged-KV attention ops: the CPU serving path and the oracle for the Triton kernels.
 
-Sits under engine/attention.py: the model's attention layer stores each step's keys/values into
+Sits under engine/model/attention.py: the model's attention layer stores each step's keys/values into
 the paged cache with `store_kv`, then reads them back with `paged_decode_attention` (one query
 token per sequence) or `paged_prefill_attention` (a chunk of query tokens per sequence, causal,
 after any context already in the cache). The Triton kernels in this package take exactly the

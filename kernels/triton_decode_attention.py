@@ -1,6 +1,6 @@
 """Triton paged decode attention: one query token per sequence over its paged KV context.
 
-GPU path of `paged_decode_attention` in engine/attention.py (decode steps); the pure-torch
+GPU path of `paged_decode_attention` in engine/model/attention.py (decode steps); the pure-torch
 oracle with the same arguments is `kernels.reference.paged_decode_attention`.
 Cache layout: k_cache, v_cache [num_pages, page_size, num_kv_heads, head_dim]; token t of
 sequence b lives in page `page_table[b, t // page_size]` at offset `t % page_size`.

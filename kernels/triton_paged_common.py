@@ -1,7 +1,7 @@
 """Pieces shared by the Triton paged-KV kernels: jit helpers and host-side argument checks.
 
 Used by `kernels.triton_decode_attention` and `kernels.triton_prefill_attention` (the GPU path of
-`paged_decode_attention` / `paged_prefill_attention` in engine/attention.py) and by
+`paged_decode_attention` / `paged_prefill_attention` in engine/model/attention.py) and by
 `kernels.triton_store_kv` (the GPU path of `store_kv`); the pure-torch oracles with the same
 arguments live in `kernels.reference`. Nothing here is public API.
 

@@ -1,6 +1,6 @@
 """Triton paged prefill attention: causal attention for packed variable-length query chunks.
 
-GPU path of `paged_prefill_attention` in engine/attention.py (prefill and chunked prefill); the
+GPU path of `paged_prefill_attention` in engine/model/attention.py (prefill and chunked prefill); the
 pure-torch oracle with the same arguments is `kernels.reference.paged_prefill_attention`.
 Cache layout: k_cache, v_cache [num_pages, page_size, num_kv_heads, head_dim]; token t of
 sequence b lives in page `page_table[b, t // page_size]` at offset `t % page_size`. The chunk's

@@ -1,6 +1,6 @@
 """Triton kernel that scatters new keys/values into the paged KV cache.
 
-GPU path of `store_kv` in engine/attention.py: after the model computes each step's keys and
+GPU path of `store_kv` in engine/model/attention.py: after the model computes each step's keys and
 values, this writes them into their cache slots before attention reads the cache back.
 Same arguments and semantics as `kernels.reference.store_kv` (the pure-torch oracle):
     k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim]

@@ -43,11 +43,17 @@ class PrefillWorker:
         self.pages_per_frame = pages_per_frame
         self._jobs: dict[str, _Job] = {}
         self.log = EventLog("prefill", worker_id)
+        self.queued_tokens = 0  # num_queued_tokens as of the last publish(): what other threads read
 
     @property
     def num_queued_tokens(self) -> int:
         """Prompt tokens accepted and not yet prefilled (the router's load signal)."""
         return sum(len(j.message.prompt_token_ids) for j in self._jobs.values() if not j.prefill_done)
+
+    def publish(self) -> None:
+        """What other threads read (heartbeats, status, metrics) made current; on this thread."""
+        self.engine.publish_snapshot()
+        self.queued_tokens = self.num_queued_tokens
 
     def handle(self, message: object) -> None:
         if isinstance(message, Prefill):

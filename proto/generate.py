@@ -16,9 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def generate(out: Path) -> list[Path]:
-    from grpc_tools import protoc
-
     import grpc_tools
+    from grpc_tools import protoc
 
     protos = sorted((REPO / "proto").glob("*.proto"))
     (out / "proto").mkdir(parents=True, exist_ok=True)

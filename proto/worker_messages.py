@@ -1,6 +1,6 @@
 """Router <-> worker messages (ZMQ, msgpack): plain frozen dataclasses, no pickle.
 
-The disaggregated journey of request R (DESIGN.md section 2), one message per arrow:
+The disaggregated journey of request R (docs/design.md §2), one message per arrow:
     router -> decode   ReserveKV(R, prompt)            pages first: backpressure before compute
     decode -> router   Reserved(R, kv_address, ...)    or ReserveRejected(R): retry later
     router -> prefill  Prefill(R, prompt, sampling, KVDestination)

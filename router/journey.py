@@ -1,4 +1,4 @@
-"""One request's journey through the cluster, as seen by the router (DESIGN.md section 2).
+"""One request's journey through the cluster, as seen by the router (docs/design.md §2).
 
 `run_journey` drives the worker messages for one validated request and yields response
 messages as text becomes available. Disaggregated: wait for a prefill worker with room
@@ -307,7 +307,7 @@ async def _next(events: asyncio.Queue, deadline: float, pool: WorkerPool, watche
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired")
         try:
             return await asyncio.wait_for(events.get(), min(remaining, check_every_s))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             dead = sorted(w for w in watched if not pool.healthy(w))
             if dead:
                 raise WorkerLost(f"worker {', '.join(dead)} stopped responding (no heartbeat)") from None

@@ -4,7 +4,7 @@
 token, ITL between streamed responses, TPOT = (E2E - TTFT) / (tokens - 1) and E2E at the end,
 its finish reason or error status, and whether it met the SLO targets (live goodput,
 router/slo.py). The registry belongs to one Router (no module-global state); the HTTP front
-door serves it at /metrics. Workers serve their own (engine/metrics.py).
+door serves it at /metrics. Workers serve their own (engine/metrics/worker_metrics.py).
 """
 
 from __future__ import annotations

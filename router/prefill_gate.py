@@ -61,7 +61,7 @@ class PrefillGate:
                 self._changed.clear()
                 try:  # woken by a release or a turn change; rechecked anyway for worker health
                     await asyncio.wait_for(self._changed.wait(), min(remaining, recheck_s))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             self._queue.remove(ticket)

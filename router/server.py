@@ -25,10 +25,11 @@ from configs.logging_setup import EventLog
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from router.journey import JourneySettings, RouterError, run_journey
-from router.prefill_gate import PrefillGate
 from router.metrics import RouterMetrics
 from router.policy import make_policy
+from router.prefill_gate import PrefillGate
 from router.slo import SloTargets
+from router.spec import RouterSpec
 from router.tokenizer import RouterTokenizer
 from router.validation import deserialize_request, validate
 from router.worker_pool import WorkerEndpoint, WorkerPool
@@ -41,41 +42,28 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 
 
 class Router:
-    def __init__(
-        self,
-        model_dir: str | Path,
-        endpoints: list[WorkerEndpoint],
-        event_address: str,
-        mode: str,
-        policy: str = "prefix_affinity",
-        max_queued_requests: int = 256,
-        kv_timeout_s: float = 30.0,
-        lease_s: float = 30.0,
-        default_timeout_s: float = 600.0,
-        slo_ttft_ms: float | None = None,
-        slo_tpot_ms: float | None = None,
-        slo_window_s: float = 60.0,
-        max_attempts: int = 3,
-        retry_wait_s: float = 10.0,
-        heartbeat_timeout_s: float = 3.0,
-        max_prefill_queue_tokens: int = 8192,
-    ) -> None:
-        self.tokenizer = RouterTokenizer(model_dir)
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.max_model_len = int(config.get("max_position_embeddings", 2048))
-        self.endpoints = endpoints
-        self.event_address = event_address
-        self.policy = make_policy(policy)
-        self.max_queued_requests = max_queued_requests
-        self.settings = JourneySettings(mode=mode, kv_timeout_s=kv_timeout_s, lease_s=lease_s,
-                                        max_attempts=max_attempts, retry_wait_s=retry_wait_s,
-                                        max_prefill_queue_tokens=max_prefill_queue_tokens)
-        self.prefill_gate = PrefillGate(max_prefill_queue_tokens)
-        self.roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
-        self.default_timeout_s = default_timeout_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+    def __init__(self, spec: RouterSpec) -> None:
+        self.spec = spec
+        cfg = spec.router
+        self.tokenizer = RouterTokenizer(spec.model_dir)
+        model_config = json.loads((Path(spec.model_dir) / "config.json").read_text())
+        context = int(model_config.get("max_position_embeddings", 2048))
+        # What every engine behind this router accepts: engines reject longer at start-up, so the
+        # router's limit is the engines' when set; a prompt over it is INVALID_ARGUMENT here.
+        self.max_model_len = min(spec.max_model_len or context, context)
+        self.endpoints = list(spec.endpoints)
+        self.event_address = spec.event_address
+        self.policy = make_policy(cfg.policy)
+        self.max_queued_requests = cfg.max_queued_requests
+        self.settings = JourneySettings(mode=spec.mode, kv_timeout_s=spec.kv_timeout_s, lease_s=spec.lease_s,
+                                        max_attempts=cfg.max_attempts, retry_wait_s=cfg.retry_wait_s,
+                                        max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
+        self.prefill_gate = PrefillGate(cfg.max_prefill_queue_tokens)
+        self.roles = ["colocated"] if spec.mode == "colocated" else ["prefill", "decode"]
+        self.default_timeout_s = spec.default_timeout_s
+        self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.num_in_flight = 0
-        self.metrics = RouterMetrics(SloTargets.from_ms(slo_ttft_ms, slo_tpot_ms), slo_window_s)
+        self.metrics = RouterMetrics(SloTargets.from_ms(cfg.slo_ttft_ms, cfg.slo_tpot_ms), cfg.slo_window_s)
         self.log = EventLog("router")
         self.pool: WorkerPool | None = None
         self.server: grpc.aio.Server | None = None
@@ -231,14 +219,14 @@ class _GenerationService(pdserve_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+    async def Generate(self, request, context):
         try:
             async for response in self.router.generate(request, context):
                 yield response
         except RouterError as exc:
             await context.abort(exc.code, str(exc))
 
-    async def GenerateUnary(self, request, context):  # noqa: N802
+    async def GenerateUnary(self, request, context):
         text, ids, last = [], [], None
         try:
             async for response in self.router.generate(request, context):

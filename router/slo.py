@@ -2,8 +2,8 @@
 did over a sliding window of recent finishes.
 
 Fed by RouterMetrics.request_finished (router/metrics.py) once per request that finished with
-tokens; read by the attainment gauge at scrape time. Definitions follow the field (DESIGN.md
-section 6): TTFT = arrival to first token; TPOT = (E2E - TTFT) / (tokens - 1), so a one-token
+tokens; read by the attainment gauge at scrape time. Definitions follow the field (docs/design.md
+§6): TTFT = arrival to first token; TPOT = (E2E - TTFT) / (tokens - 1), so a one-token
 request has no TPOT and cannot miss a TPOT target.
 """
 

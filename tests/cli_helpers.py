@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.local_cluster import free_port
+from tests.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,11 +30,18 @@ def pdserve(*args, tmp_path, timeout=120) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env(tmp_path), cwd=REPO)
 
 
+def _as_a_background_job() -> None:
+    """What a non-interactive shell does to `pdserve up &`: the job starts with SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def start_up(tmp_path: Path, config: Path) -> subprocess.Popen:
-    """`pdserve up` in its own session, returned once it says the cluster is up."""
+    """`pdserve up` in its own session, started as a script's background job would be (SIGINT
+    ignored: `stop_up` proves it still stops on SIGINT), returned once it says the cluster is up."""
     log = open(tmp_path / "up.log", "w")
     up = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", str(config)], stdout=log,
-                          stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True)
+                          stderr=subprocess.STDOUT, env=env(tmp_path), cwd=REPO, start_new_session=True,
+                          preexec_fn=_as_a_background_job)
     log.close()
     deadline = time.monotonic() + 180
     while "cluster up" not in (tmp_path / "up.log").read_text():
@@ -46,9 +53,10 @@ def start_up(tmp_path: Path, config: Path) -> subprocess.Popen:
 
 
 def stop_up(up: subprocess.Popen) -> None:
+    """SIGINT to `up`'s session (Ctrl-C); it must stop cleanly, exit status 0."""
     if up.poll() is None:
         os.killpg(up.pid, signal.SIGINT)
-        up.wait(60)
+        assert up.wait(60) == 0, f"pdserve up exited with {up.returncode} after SIGINT"
 
 
 def status(config: Path, tmp_path: Path) -> dict:

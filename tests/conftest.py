@@ -22,7 +22,17 @@ os.environ.setdefault("PDSERVE_CPU_NATIVE_BF16", "0")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.builtin_models import ensure_builtin  # noqa: E402
+from engine.model.builtin import ensure_builtin  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip, saying why, where CUDA is missing (tests/gpu/ on a CPU machine)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: no GPU on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""DESIGN.md's import rules, read from the source, and the `kernels` / `proto` name clashes."""
+"""docs/design.md's import rules, read from the source, and the `kernels` / `proto` name clashes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ["proto", "configs", "kernels", "engine", "prefill_worker", "decode_worker", "router", "cluster"]
+PACKAGES = ["proto", "configs", "kernels", "engine", "prefill_worker", "decode_worker", "router", "cluster", "loadgen"]
 ALLOWED = {
     "proto": set(),
     "configs": set(),
@@ -15,10 +15,14 @@ ALLOWED = {
     "prefill_worker": {"engine", "configs", "proto"},
     "decode_worker": {"engine", "configs", "proto"},
     "router": {"configs", "proto"},
+    # The load generator talks to a cluster over the wire only.
+    "loadgen": {"proto"},
     "cluster": set(PACKAGES) - {"cluster"},
 }
 # The router process must stay light: no torch (nor anything that imports it).
-FORBIDDEN_THIRD_PARTY = {"router": {"torch", "transformers", "triton"}}
+FORBIDDEN_THIRD_PARTY = {"router": {"torch", "transformers", "triton"}, "loadgen": {"torch", "transformers", "ray"}}
+# Test fixtures (tests/local_cluster.py, fault-injection hooks) are never shipped nor imported by what is.
+FORBIDDEN_EVERYWHERE = {"tests"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -46,6 +50,8 @@ def test_imports_follow_the_dag():
             for name in imported_modules(path):
                 if name in PACKAGES and name != pkg and name not in ALLOWED[pkg]:
                     violations.append(f"{path.relative_to(REPO)} imports {name}")
+                if name in FORBIDDEN_EVERYWHERE:
+                    violations.append(f"{path.relative_to(REPO)} imports {name} (a test fixture)")
                 if name in FORBIDDEN_THIRD_PARTY.get(pkg, ()):
                     violations.append(f"{path.relative_to(REPO)} imports {name} (not allowed in {pkg})")
     assert not violations, "\n".join(violations)
@@ -58,12 +64,25 @@ def test_the_checker_sees_a_violation(tmp_path):
 
 
 def test_kernels_and_proto_resolve_to_this_repo():
+    from transformers.utils import is_kernels_available
+
     import kernels
     import proto
-    from transformers.utils import is_kernels_available
 
     assert Path(kernels.__file__).resolve().parent == REPO / "kernels"
     assert Path(proto.__file__).resolve().parent == REPO / "proto"
     # Our distribution provides the `kernels` import name; transformers must not take it for
     # Hugging Face's kernel hub (it checks the version range).
     assert is_kernels_available() is False
+
+
+def test_the_router_process_loads_no_torch():
+    """The static rule above misses imports of imports: load the router and the load generator
+    for real and look at what came in."""
+    import subprocess
+    import sys
+
+    code = ("import sys, router.server, router.openai_http, loadgen.runner, loadgen.compare; "
+            "print(sorted(m for m in ('torch', 'transformers', 'ray', 'engine', 'tests') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -6,7 +6,8 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 
-from engine.kv_transfer.base import BaseFrameReceiver, BaseFrameSender, Frame
+from engine.kv_transfer.frames import Frame
+from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender
 
 
 class InProcChannel:

@@ -9,18 +9,18 @@ and queues whole frames; per-source ordering keeps a sender's three messages tog
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer.base import BaseFrameReceiver, BaseFrameSender, Frame, TransportError
+from engine.kv_transfer.frames import Frame
+from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
 
 log = logging.getLogger(__name__)
 PREFIX = "dist:"
@@ -81,11 +81,11 @@ class DistFrameReceiver(BaseFrameReceiver):
                 src = dist.recv(sizes)  # from any rank
                 header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
                 dist.recv(header, src)
-                payload = b""
+                payload: memoryview | bytes = b""
                 if int(sizes[1]):
                     data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
                     dist.recv(data, src)
-                    payload = memoryview(data.cpu().numpy()).cast("B")
+                    payload = data.cpu().numpy().data.cast("B")
                 self._frames.put(Frame(msgpack.unpackb(header.cpu().numpy().tobytes(), raw=False), payload))
         except RuntimeError as exc:  # the group was torn down: the worker is stopping
             log.info("KV receiver stopped: %s", exc)

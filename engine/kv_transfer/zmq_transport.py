@@ -6,14 +6,14 @@ alive until the tracker says ZMQ is done with them). Nothing is pickled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import time
+from collections.abc import Callable
 
 import msgpack
 import zmq
 
-from engine.kv_transfer.base import BaseFrameReceiver, BaseFrameSender, Frame, TransportError
+from engine.kv_transfer.frames import Frame
+from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
 
 
 class ZmqFrameReceiver(BaseFrameReceiver):

@@ -1,7 +1,7 @@
 // The small per-layer ops of a decoder step, fused: one call where torch dispatches five to ten.
 // At batch 1 a 12-layer step spent ~5 ms of ~23 ms in ~450 small torch ops (5-50 us each);
 // these cut that to a few calls per layer. Each matches its torch composition in
-// engine/layers.py / engine/rope.py within float rounding (tests/kernels/test_cpu_kernels.py).
+// engine/model/layers.py / engine/model/rope.py within float rounding (tests/kernels/test_cpu_kernels.py).
 //   add_rms_norm_   residual += x; x = rms_norm(residual) * weight      (both in place)
 //   rotary_         q/k heads of a fused qkv row rotated by their position (in place)
 //   silu_mul        silu(gate) * up of a fused [gate | up] row
@@ -49,7 +49,7 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
         const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
         for (int64_t i = 0; i < h; ++i) {
           // fp32 models: weight * (x * inv) as F.rms_norm; reduced precision: normalise in
-          // fp32, round, then scale (engine/layers.py RMSNorm).
+          // fp32, round, then scale (engine/model/layers.py RMSNorm).
           if constexpr (std::is_same_v<scalar_t, float>) {
             xr[i] = static_cast<float>(rr[i]) * inv * static_cast<float>(wp[i]);
           } else {

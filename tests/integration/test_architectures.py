@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from tests.helpers import assert_no_page_leak, hf_greedy
 
 from engine import LLM, SamplingParams
+from tests.helpers import assert_no_page_leak, hf_greedy
 
 COMMON = dict(vocab_size=4096, hidden_size=128, intermediate_size=320, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -109,9 +109,9 @@ def test_wrong_tensor_shape_is_named(tmp_path, tiny_dir):
 def test_model_builds_on_any_default_device():
     # Built under the meta device, nothing may land on the CPU: on CUDA the same code path puts
     # the rope tables and the untied lm_head on the GPU.
-    from engine.attention import AttentionBackend
-    from engine.model_config import ModelConfig
-    from engine.models.llama import LlamaForCausalLM
+    from engine.model.attention import AttentionBackend
+    from engine.model.config import ModelConfig
+    from engine.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], **COMMON, "tie_word_embeddings": False})
     with torch.device("meta"):

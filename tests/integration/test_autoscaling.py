@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.local_cluster import free_port
 from tests.cli_helpers import REPO, env, pdserve, start_up, status, stop_up, wait_for
 from tests.helpers import hf_greedy
+from tests.local_cluster import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 
 PROMPTS = [[0] + list(range(100 + 50 * k, 140 + 50 * k)) for k in range(4)]
 MAX_TOKENS = 48

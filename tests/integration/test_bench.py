@@ -10,14 +10,16 @@ import json
 
 import pytest
 
-from cluster.bench import BenchPlan, run_bench
-from cluster.bench_metrics import SLO
-from cluster.bench_results import load_result
-from cluster.bench_workloads import LengthDist, WorkloadSpec
 from cluster.cli import main
-from cluster.local_cluster import LocalCluster
 from configs import EngineConfig
+from loadgen.metrics import SLO
+from loadgen.results import load_result
+from loadgen.runner import BenchPlan, run_bench
+from loadgen.workloads import LengthDist, WorkloadSpec
 from router.openai_http import OpenAIServer
+from tests.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +69,7 @@ def test_cli_bench_over_openai_http_writes_json_csv_and_pngs(served, tmp_path, c
     cluster.wait_pages_free()
     # Overlaying both on one chart: one line per label.
     (tmp_path / "grpc").mkdir()
-    from cluster.bench_results import write_result
+    from loadgen.results import write_result
 
     write_result(grpc_result, tmp_path / "grpc")
     assert main(["bench", "plot", str(tmp_path / "tiny-http.json"), str(tmp_path / "grpc" / "tiny-grpc.json"),
@@ -84,7 +86,7 @@ def test_throughput_burst_and_unreachable_targets(served, tmp_path):
     (run,) = result.runs
     assert [r.num_tokens for r in run.records] == [4] * 5 and all(r.ok for r in run.records)
     # A server that is not there: every request fails with a named error, nothing raises.
-    from cluster.local_cluster import free_port
+    from tests.local_cluster import free_port
 
     down = run_bench("grpc", f"127.0.0.1:{free_port()}", BenchPlan(spec, warmup_requests=0), "down",
                      progress=False, say=lambda _: None)

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.local_cluster import free_port
 from tests.cli_helpers import REPO, env, write_config
+from tests.local_cluster import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 
 
 def processes_with_env(key: str, value: str) -> list[str]:

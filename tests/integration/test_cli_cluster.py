@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.local_cluster import free_port
 from tests.cli_helpers import REPO, env, pdserve, start_up, status, stop_up, wait_for, write_config
 from tests.helpers import hf_greedy
+from tests.local_cluster import free_port
+
+pytestmark = [pytest.mark.ray, pytest.mark.cluster]
 
 
 def concurrent_mix_matches_hf(port: int, hf_model) -> None:
@@ -166,9 +168,11 @@ def test_status_scale_and_replacement(tmp_path, hf_tiny):
             time.sleep(1.5)
             os.kill(old_pid, signal.SIGKILL)
             assert future.result() == hf_greedy(hf_tiny, prompts[0], 40)[0]  # resumed on the replacement
-        fresh = wait_for(lambda: next((w for w in status(config, tmp_path)["workers"]
-                                       if w["worker_id"] == "decode-0" and w.get("healthy") and w.get("pid") not in (None, old_pid)),
-                                      None), "decode-0 replaced")
+        def replacement():
+            return next((w for w in status(config, tmp_path)["workers"] if w["worker_id"] == "decode-0"
+                         and w.get("healthy") and w.get("pid") not in (None, old_pid)), None)
+
+        fresh = wait_for(replacement, "decode-0 replaced")
         assert fresh["pid"] != old_pid
         concurrent_mix_matches_hf(port, hf_tiny)
         down = pdserve("down", str(config), tmp_path=tmp_path)

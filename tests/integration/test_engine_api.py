@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers import assert_no_page_leak, hf_greedy
 
 from configs import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
+from tests.helpers import assert_no_page_leak, hf_greedy
 
 
 @pytest.fixture(scope="module")

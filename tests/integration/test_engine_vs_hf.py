@@ -8,10 +8,10 @@ page is left referenced.
 from __future__ import annotations
 
 import pytest
-from tests.helpers import assert_no_page_leak, hf_greedy
 
-from engine import LLM, LLMEngine, SamplingParams
 from configs import EngineConfig
+from engine import LLM, LLMEngine, SamplingParams
+from tests.helpers import assert_no_page_leak, hf_greedy
 
 LOGPROB_ATOL = 2e-3
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=True)

@@ -14,12 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster.local_cluster import LocalCluster
 from cluster.worker_host import WorkerHost
 from configs import EngineConfig
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from tests.helpers import hf_greedy
+from tests.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
 
 # A 64-token prefill budget: the longer prompts prefill in several chunks, so pages are already
 # on their way when the first token is produced.
@@ -121,9 +123,7 @@ def test_a_worker_replaced_faster_than_the_heartbeat_timeout_is_noticed(tiny_dir
         got = list(next(iter(call)).token_ids)
         while not old.crashed:
             time.sleep(0.01)
-        host, port = old.command_address.rsplit(":", 1)
-        fresh = WorkerHost("decode", "decode-0", ENGINE, host, int(port), old._router_event_address,
-                           kv_port=old._kv_port, kv_checksum=True)
+        fresh = WorkerHost(old.spec)  # same id and ports, a new incarnation
         fresh.start()
         cluster.hosts.append(fresh)  # closed (and its pages checked) with the cluster
         got += [t for r in call for t in r.token_ids]

@@ -12,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from cluster.local_cluster import LocalCluster
 from configs import EngineConfig
 from proto import pdserve_pb2 as pb
 from tests.helpers import hf_greedy
+from tests.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
 
 ENGINE = EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=64, max_num_seqs=16)
 

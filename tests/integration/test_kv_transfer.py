@@ -165,7 +165,7 @@ def test_zmq_send_without_a_receiver_fails_fast():
 def test_staging_buffers_are_reused_only_when_the_transport_is_done():
     import torch
 
-    from engine.kv_transfer.base import StagingBuffers
+    from engine.kv_transfer.sender import StagingBuffers
 
     pool = StagingBuffers()
     shape, cpu = (2, 1, 1, 4, 1, 8), torch.device("cpu")

@@ -10,10 +10,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.local_cluster import LocalCluster
 from configs import EngineConfig
-from engine.peak import Peak
+from engine.metrics.peak import Peak
 from proto import pdserve_pb2 as pb
+from tests.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
 
 PAGE = 8
 ENGINE = EngineConfig(model="builtin:tiny", page_size=PAGE, max_num_batched_tokens=64, max_num_seqs=8)

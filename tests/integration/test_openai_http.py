@@ -11,10 +11,12 @@ import urllib.request
 
 import pytest
 
-from cluster.local_cluster import LocalCluster
 from configs import EngineConfig
 from proto import pdserve_pb2 as pb
 from router.openai_http import OpenAIServer
+from tests.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
 
 openai = pytest.importorskip("openai")
 MODEL = "builtin:tiny"

@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism on CPU with gloo: a worker's ranks run as local
-subprocesses (engine/shard_follower.py) and must produce Hugging Face's greedy tokens, free
+subprocesses (engine/parallel/shard_follower.py) and must produce Hugging Face's greedy tokens, free
 every page, and move KV between engines of different shapes (prefill TP=2 -> decode TP=1,
 TP=1 -> a two-stage pipeline), which regroups heads and layers on the way."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from configs import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
-from engine.shard_follower import start_local_group
+from engine.parallel.shard_follower import start_local_group
 from tests.helpers import assert_no_page_leak, hf_greedy, prefill_and_ship
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)

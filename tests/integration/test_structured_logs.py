@@ -11,9 +11,11 @@ import logging
 import grpc
 import pytest
 
-from cluster.local_cluster import LocalCluster
 from configs import EngineConfig, LoggingConfig, setup_logging
 from proto import pdserve_pb2 as pb
+from tests.local_cluster import LocalCluster
+
+pytestmark = pytest.mark.cluster
 
 ENGINE = EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=64, max_num_seqs=8)
 

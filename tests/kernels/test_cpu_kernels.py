@@ -154,7 +154,7 @@ def test_skinny_linear_refuses_shapes_it_does_not_serve():
 
 
 def test_engine_linear_takes_the_skinny_kernel_only_for_few_rows():
-    from engine.layers import SKINNY_MAX_ROWS, linear
+    from engine.model.layers import SKINNY_MAX_ROWS, linear
 
     calls = []
 
@@ -171,7 +171,7 @@ def test_engine_linear_takes_the_skinny_kernel_only_for_few_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_matches_the_torch_block_boundary(dtype):
-    from engine.layers import RMSNorm
+    from engine.model.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(11)
     norm = RMSNorm(96, 1e-6)
@@ -187,7 +187,7 @@ def test_add_rms_norm_matches_the_torch_block_boundary(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_matches_apply_rotary(dtype):
-    from engine.rope import RotaryEmbedding, apply_rotary
+    from engine.model.rope import RotaryEmbedding, apply_rotary
 
     rope = RotaryEmbedding(64, 512, 10000.0, {})
     gen = torch.Generator().manual_seed(5)

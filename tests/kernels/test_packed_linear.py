@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from configs import EngineConfig
 from engine import LLMEngine
-from engine.layers import ColumnParallelLinear, ParallelContext, linear, pack_weight
+from engine.model.layers import ColumnParallelLinear, ParallelContext, linear, pack_weight
 from kernels import packed_linear
 
 if not packed_linear.available():

@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import reference  # noqa: E402
-from kernels.triton_decode_attention import paged_decode_attention  # noqa: E402
-from kernels.triton_prefill_attention import paged_prefill_attention  # noqa: E402
-from kernels.triton_store_kv import store_kv  # noqa: E402
+from kernels import reference
+from kernels.triton_decode_attention import paged_decode_attention
+from kernels.triton_prefill_attention import paged_prefill_attention
+from kernels.triton_store_kv import store_kv
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
 

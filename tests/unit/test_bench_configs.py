@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from configs import load_cluster_config
-from engine.builtin_models import BUILTIN_SPECS
+from engine.model.builtin import BUILTIN_SPECS
 
 BENCH_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "bench"
 

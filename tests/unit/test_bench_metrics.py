@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cluster.bench_metrics import (
+from loadgen.metrics import (
     SLO,
     RequestRecord,
     max_rate_at_attainment,

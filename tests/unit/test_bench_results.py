@@ -11,19 +11,19 @@ import time
 
 import pytest
 
-from cluster.bench import run_load
-from cluster.bench_client import BaseBackend
-from cluster.bench_compare import comparison_rows, format_table
-from cluster.bench_metrics import SLO, RequestRecord, percentile
-from cluster.bench_plots import (
+from loadgen.client import BaseBackend
+from loadgen.compare import comparison_rows, format_table
+from loadgen.metrics import SLO, RequestRecord, percentile
+from loadgen.plots import (
     attainment_vs_rate_figure,
     attainment_vs_slo_scale_figure,
     data_lines,
     latency_cdf_figure,
     plot_results,
 )
-from cluster.bench_results import BenchResult, BenchRun, load_result, write_result
-from cluster.bench_workloads import BenchRequest
+from loadgen.results import BenchResult, BenchRun, load_result, write_result
+from loadgen.runner import run_load
+from loadgen.workloads import BenchRequest
 
 
 class FakeBackend(BaseBackend):

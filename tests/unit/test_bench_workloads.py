@@ -10,8 +10,8 @@ import statistics
 
 import pytest
 
-from cluster.bench import BenchPlan
-from cluster.bench_workloads import (
+from loadgen.runner import BenchPlan
+from loadgen.workloads import (
     EXPONENTIAL_CAP,
     LengthDist,
     WorkloadSpec,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import hf_greedy
 
-from engine.builtin_models import BUILTIN_SPECS, build_builtin, parse_builtin
+from engine.model.builtin import BUILTIN_SPECS, build_builtin, parse_builtin
+from tests.helpers import hf_greedy
 
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"]
 
@@ -80,11 +80,11 @@ def test_greedy_continuations_depend_on_the_prompt(hf_tiny, tiny_dir):
 
 
 def test_weights_are_deterministic_across_processes(tmp_path, tiny_dir):
-    code = ("import hashlib,sys; from engine.builtin_models import _init_weights, BUILTIN_SPECS;"
+    code = ("import hashlib,sys; from engine.model.builtin import _init_weights, BUILTIN_SPECS;"
             "t=_init_weights(BUILTIN_SPECS['tiny']);"
             "print(hashlib.sha256(b''.join(t[k].numpy().tobytes() for k in sorted(t))).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    from engine.builtin_models import _init_weights
+    from engine.model.builtin import _init_weights
 
     t = _init_weights(BUILTIN_SPECS["tiny"])
     local = hashlib.sha256(b"".join(t[k].numpy().tobytes() for k in sorted(t))).hexdigest()

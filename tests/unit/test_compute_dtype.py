@@ -1,11 +1,11 @@
-"""dtype `auto` and the warning for bfloat16 on a CPU that lacks it (engine/compute_dtype.py)."""
+"""dtype `auto` and the warning for bfloat16 on a CPU that lacks it (engine/model/compute_dtype.py)."""
 
 import logging
 
 import pytest
 import torch
 
-from engine import compute_dtype
+from engine.model import compute_dtype
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def test_auto_is_bf16_only_where_it_is_fast(cpu):
 
 def test_explicit_bf16_on_a_cpu_without_it_warns_once_with_the_cost(cpu, caplog):
     cpu(False)
-    with caplog.at_level(logging.WARNING, logger="engine.compute_dtype"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.compute_dtype"):
         assert compute_dtype.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
         compute_dtype.resolve_dtype("bfloat16", "cpu")
     warnings = [r.getMessage() for r in caplog.records]
@@ -37,7 +37,7 @@ def test_explicit_bf16_on_a_cpu_without_it_warns_once_with_the_cost(cpu, caplog)
     caplog.clear()
     cpu(True)
     compute_dtype._warn_slow_dtype.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="engine.compute_dtype"):
+    with caplog.at_level(logging.WARNING, logger="engine.model.compute_dtype"):
         compute_dtype.resolve_dtype("bfloat16", "cpu")
         compute_dtype.resolve_dtype("float32", "cpu")
     assert not caplog.records

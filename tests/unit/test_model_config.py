@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-
 import json
 
 import pytest
 import torch
 
 from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig, UnsupportedModelError
+from engine.model.config import ModelConfig, UnsupportedModelError
 
 LLAMA31 = {
     "architectures": ["LlamaForCausalLM"],

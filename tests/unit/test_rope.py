@@ -1,4 +1,4 @@
-"""engine.rope.RotaryEmbedding against Hugging Face's LlamaRotaryEmbedding, per rope type."""
+"""engine.model.rope.RotaryEmbedding against Hugging Face's LlamaRotaryEmbedding, per rope type."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-import engine.rope as rope_module
-from engine.model_config import ModelConfig, UnsupportedModelError
-from engine.rope import RotaryEmbedding
+import engine.model.rope as rope_module
+from engine.model.config import ModelConfig, UnsupportedModelError
+from engine.model.rope import RotaryEmbedding
 
 # (id, head_dim, max_position_embeddings, rope_parameters incl. rope_type and rope_theta)
 CASES = [

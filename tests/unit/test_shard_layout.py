@@ -1,5 +1,5 @@
-"""Which heads and layers each rank of a TP x PP worker holds (engine/parallel.py), and the
-wire form of a step command (engine/shard_executor.py)."""
+"""Which heads and layers each rank of a TP x PP worker holds (engine/parallel/layout.py), and the
+wire form of a step command (engine/parallel/shard_executor.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 
 from configs import EngineConfig
 from engine.forward_batch import ForwardBatch
-from engine.model_config import ModelConfig
-from engine.parallel import ShardLayout
-from engine.shard_executor import body_len, decode_batch, encode_batch
+from engine.model.config import ModelConfig
+from engine.parallel.layout import ShardLayout
+from engine.parallel.shard_executor import body_len, decode_batch, encode_batch
 
 
 def test_ranks_stages_and_slices():

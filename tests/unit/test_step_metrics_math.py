@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from engine.model_config import ModelConfig
-from engine.peak import Peak, measure_peak
-from engine.roofline import ModelCost
+from engine.metrics.peak import Peak, measure_peak
+from engine.metrics.roofline import ModelCost
+from engine.metrics.step_stats import StepWork
+from engine.model.config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.step_stats import StepWork
 from router.slo import SloTargets, SloWindow
 
 

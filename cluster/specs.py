@@ -1,0 +1,104 @@
+"""The one place a cluster YAML becomes what each process is started with.
+
+`ClusterConfig` (configs/cluster.py) describes the whole cluster; a router is started with a
+`RouterSpec` (router/spec.py) and each worker with a `WorkerSpec` (below), both frozen and built
+here, by the Ray launcher (cluster/launcher.py, cluster/worker_launch.py) and the in-process test
+cluster (tests/local_cluster.py) alike. A setting added to the YAML travels through these
+objects to every process that needs it; nothing crosses a process boundary as a `**kwargs` dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from configs import ClusterConfig, EngineConfig
+from configs.cluster import PoolConfig
+from router.spec import RouterSpec
+from router.worker_pool import WorkerEndpoint
+
+ROLES = ("prefill", "decode", "colocated")
+NODE_IP = "node"  # a worker binds the IP of the node Ray put it on (resolved by WorkerActor)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one worker process (rank 0 of its shard group) is started with."""
+
+    role: str  # "prefill", "decode" or "colocated"
+    worker_id: str  # "<role>-<index>"
+    engine: EngineConfig
+    host: str  # the address it binds: an IP, or NODE_IP ("node": the node Ray put it on)
+    command_port: int  # router commands arrive here
+    router_event_address: str  # host:port of the router's event socket
+    kv_port: int | None = None  # decode with the zmq transport: KV frames arrive here
+    kv_transport: str = "zmq"  # "zmq" or "torch_dist" (kv_transfer.transport)
+    kv_checksum: bool = False
+    # torch_dist: this worker's rank in the KV process group, its size, and the group's store.
+    dist_rank: int | None = None
+    dist_world_size: int | None = None
+    dist_store_address: str | None = None
+    shard_store_address: str | None = None  # TP x PP > 1: the store its follower ranks join
+    metrics_port: int | None = None  # serve /metrics here; None = no metrics
+    peak_tflops: float | None = None  # what MFU / MBU are measured against (None = measured at start)
+    peak_memory_bandwidth_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unknown worker role {self.role!r}; choose one of {ROLES}")
+        if self.kv_transport not in ("zmq", "torch_dist"):
+            raise ValueError(f"unknown KV transport {self.kv_transport!r}; choose 'zmq' or 'torch_dist'")
+        if self.role == "decode" and self.kv_transport == "zmq" and self.kv_port is None:
+            raise ValueError("a decode worker needs a kv_port to receive KV on")
+        dist = (self.dist_rank, self.dist_world_size, self.dist_store_address)
+        if self.kv_transport == "torch_dist" and self.role != "colocated" and None in dist:
+            raise ValueError("the torch_dist KV transport needs dist_rank, dist_world_size and dist_store_address")
+
+    @property
+    def command_address(self) -> str:
+        return f"{self.host}:{self.command_port}"
+
+
+def serving_pools(config: ClusterConfig) -> list[tuple[str, PoolConfig]]:
+    """(role, pool) of every pool the mode runs, in start order."""
+    return [(role, pool) for role in ROLES if (pool := getattr(config, role)) is not None]
+
+
+def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_host: str) -> WorkerSpec:
+    """Worker `<role>-<index>`: it takes the ports of index i (base_port + i, kv_base_port + i, ...),
+    so a replacement comes back where the router already knows it. `host`: the address it binds;
+    `router_host`: where the router (and, for torch_dist, the KV group's store) listens."""
+    pool: PoolConfig = getattr(config, role)
+    worker_id = f"{role}-{index}"
+    kv = config.kv_transfer
+    rank = world_size = store = None
+    if kv.transport == "torch_dist" and role != "colocated":
+        ranks = config.kv_dist_ranks()
+        rank, world_size, store = ranks[worker_id], len(ranks), f"{router_host}:{kv.dist_port}"
+    return WorkerSpec(
+        role=role, worker_id=worker_id, engine=config.engine_config(pool), host=host,
+        command_port=pool.base_port + index,
+        router_event_address=f"{router_host}:{config.router.worker_event_port}",
+        kv_port=pool.kv_base_port + index if role == "decode" and pool.kv_base_port is not None else None,
+        kv_transport=kv.transport, kv_checksum=kv.checksum,
+        dist_rank=rank, dist_world_size=world_size, dist_store_address=store,
+        shard_store_address=None,  # placed groups learn their store's node first (worker_launch.py)
+        metrics_port=pool.metrics_base_port + index if pool.metrics_base_port is not None else None,
+        peak_tflops=pool.peak_tflops, peak_memory_bandwidth_gbps=pool.peak_memory_bandwidth_gbps)
+
+
+def router_spec(config: ClusterConfig, model_dir: str, endpoints: list[WorkerEndpoint], router_host: str,
+                default_timeout_s: float = 600.0) -> RouterSpec:
+    """The router of `config`, serving the checkpoint at `model_dir` (see `model_cache_dir`) with
+    workers at `endpoints`; its event socket binds `router_host`:router.worker_event_port."""
+    limits = [pool.engine.max_model_len for _, pool in serving_pools(config) if pool.engine.max_model_len]
+    return RouterSpec(
+        model_dir=str(model_dir), model_name=config.model, mode=config.mode, endpoints=tuple(endpoints),
+        event_address=f"{router_host}:{config.router.worker_event_port}", router=config.router,
+        kv_timeout_s=config.kv_transfer.timeout_s, lease_s=config.kv_transfer.reservation_lease_s,
+        max_model_len=min(limits) if limits else None, default_timeout_s=default_timeout_s)
+
+
+def model_cache_dir(config: ClusterConfig) -> str | None:
+    """Where the router finds a built-in model: the engines' `cache_dir` (the first pool's; a
+    built-in model is built byte-identically wherever it is built)."""
+    return next((pool.engine.cache_dir for _, pool in serving_pools(config) if pool.engine.cache_dir), None)

@@ -1,0 +1,93 @@
+"""What crosses from a prefill worker to a decode worker, and what a transfer ends as.
+
+A `Frame` is a msgpack-able header dict plus raw bytes (nothing is pickled): page frames carry
+KV pages (`KVCache.read_pages` layout) for destination indexes [first_page, first_page + n),
+then one `done` or `abort` frame ends the transfer. Transports (transport.py) move frames; the
+sender (sender.py) and receiver (receiver.py) own the rules; each ended transfer is one
+`TransferResult` for its owner and one `TransferRecord` for live metrics.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class TransferState(str, enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One message: a header (str keys, msgpack types) and an optional payload."""
+
+    header: dict[str, Any]
+    payload: memoryview | bytes = b""
+
+
+def pages_frame(request_id: str, first_page: int, data: torch.Tensor, checksum: bool) -> Frame:
+    """Frame for `data` = KVCache.read_pages output, to land at destination index `first_page`."""
+    raw = data.contiguous().view(torch.uint8).numpy().data  # bf16 travels as bytes too
+    header = {
+        "kind": "pages", "request_id": request_id, "first_page": first_page,
+        "num_pages": int(data.shape[2]), "dtype": str(data.dtype).removeprefix("torch."),
+        "shape": list(data.shape),
+    }
+    if checksum:
+        header["crc32"] = zlib.crc32(raw)
+    return Frame(header, raw.cast("B"))
+
+
+def done_frame(request_id: str, num_pages: int) -> Frame:
+    return Frame({"kind": "done", "request_id": request_id, "num_pages": num_pages})
+
+
+def abort_frame(request_id: str, reason: str) -> Frame:
+    return Frame({"kind": "abort", "request_id": request_id, "reason": reason})
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    request_id: str
+    state: TransferState
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One ended transfer as one side saw it: what live metrics count."""
+
+    side: str  # "send" or "receive"
+    request_id: str
+    state: TransferState
+    num_bytes: int  # page payload bytes handed to (sender) or written from (receiver) the transport
+    duration_s: float  # first page frame -> the end (0 when no page moved, e.g. all cached)
+
+
+TransferObserver = Callable[[TransferRecord], None]
+
+
+@dataclass
+class TransferProgress:
+    """Bytes and the first frame's time of one transfer, for its TransferRecord."""
+
+    num_bytes: int = 0
+    first_frame_at: float | None = None
+
+    def add(self, num_bytes: int, now: float) -> None:
+        self.num_bytes += num_bytes
+        if self.first_frame_at is None:
+            self.first_frame_at = now
+
+    def record(self, side: str, request_id: str, state: TransferState, now: float) -> TransferRecord:
+        return TransferRecord(side, request_id, state, self.num_bytes,
+                              0.0 if self.first_frame_at is None else now - self.first_frame_at)

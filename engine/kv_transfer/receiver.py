@@ -1,0 +1,121 @@
+"""The decode side of a KV transfer: the state machine that gives every transfer exactly one
+terminal outcome.
+
+Data flow: the decode worker reserves pages (handoff.py) and `expect`s the transfer with a
+deadline; frames from the transport are fed to `handle`, which writes page frames straight into
+the KV cache; `collect` reports each transfer's outcome once: DONE, FAILED (bad frame or
+checksum), ABORTED (sender gave up), EXPIRED (deadline passed). The owner then joins the request
+or cancels its reservation. One `_Incoming` record per request id: ending a transfer is one
+deletion.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.kv_transfer.frames import Frame, TransferObserver, TransferProgress, TransferResult, TransferState
+from engine.kv_transfer.transport import BaseFrameReceiver
+
+
+@dataclass
+class _Incoming:
+    """One expected transfer on the receiving side."""
+
+    page_ids: list[int]  # destination pages, in the order the sender indexes them
+    deadline: float  # clock() value
+    received: set[int] = field(default_factory=set)  # destination indexes written so far
+    progress: TransferProgress = field(default_factory=TransferProgress)
+
+
+class KVReceiver:
+    """Receiver-side rules over any transport: `expect`, feed frames with `handle`, collect
+    terminal outcomes with `collect` (each transfer reported exactly once)."""
+
+    def __init__(self, kv_cache: KVCache, clock=time.monotonic, observer: TransferObserver | None = None) -> None:
+        self.kv_cache = kv_cache
+        self.clock = clock
+        self.observer = observer
+        self._incoming: dict[str, _Incoming] = {}
+        self._outcomes: list[TransferResult] = []
+        self.num_stray_frames = 0  # frames for transfers not (or no longer) expected
+
+    def expect(self, request_id: str, page_ids: list[int], timeout_s: float) -> None:
+        if request_id in self._incoming:
+            raise ValueError(f"a transfer for {request_id!r} is already expected")
+        self._incoming[request_id] = _Incoming(list(page_ids), self.clock() + timeout_s)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stops expecting a transfer without reporting an outcome (its owner aborted it)."""
+        entry = self._incoming.pop(request_id, None)
+        if entry is not None and self.observer is not None:
+            self.observer(entry.progress.record("receive", request_id, TransferState.ABORTED, self.clock()))
+        return entry is not None
+
+    def handle(self, frame: Frame) -> None:
+        request_id = frame.header.get("request_id")
+        entry = self._incoming.get(request_id) if isinstance(request_id, str) else None
+        if request_id is None or entry is None:
+            self.num_stray_frames += 1
+            return
+        kind = frame.header.get("kind")
+        try:
+            if kind == "pages":
+                self._write_pages(entry, frame)
+            elif kind == "done":
+                missing = set(range(len(entry.page_ids))) - entry.received
+                if frame.header.get("num_pages") != len(entry.page_ids) or missing:
+                    raise ValueError(f"done after {len(entry.received)} of {len(entry.page_ids)} pages")
+                self._end(request_id, TransferState.DONE)
+            elif kind == "abort":
+                self._end(request_id, TransferState.ABORTED, str(frame.header.get("reason", "")))
+            else:
+                raise ValueError(f"unknown frame kind {kind!r}")
+        except (ValueError, TypeError, KeyError) as exc:
+            self._end(request_id, TransferState.FAILED, str(exc))
+
+    def collect(self) -> list[TransferResult]:
+        """Terminal outcomes since the last call, expiring transfers past their deadline."""
+        now = self.clock()
+        for request_id in [r for r, e in self._incoming.items() if e.deadline <= now]:
+            self._end(request_id, TransferState.EXPIRED, "deadline passed")
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._incoming)
+
+    def _write_pages(self, entry: _Incoming, frame: Frame) -> None:
+        h = frame.header
+        first, num = int(h["first_page"]), int(h["num_pages"])
+        if first < 0 or first + num > len(entry.page_ids):
+            raise ValueError(f"pages [{first}, {first + num}) outside the {len(entry.page_ids)} reserved")
+        if "crc32" in h and zlib.crc32(frame.payload) != h["crc32"]:
+            raise ValueError(f"checksum mismatch in pages [{first}, {first + num})")
+        dtype = getattr(torch, h["dtype"])
+        # The payload is only read (copied into the cache), so a read-only buffer is fine.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(frame.payload, dtype=torch.uint8).view(dtype).view(h["shape"])
+        self.kv_cache.write_pages(entry.page_ids[first : first + num], data)
+        entry.received.update(range(first, first + num))
+        entry.progress.add(len(frame.payload), self.clock())
+
+    def _end(self, request_id: str, state: TransferState, detail: str = "") -> None:
+        entry = self._incoming.pop(request_id)
+        self._outcomes.append(TransferResult(request_id, state, detail))
+        if self.observer is not None:
+            self.observer(entry.progress.record("receive", request_id, state, self.clock()))
+
+
+def poll(receiver: KVReceiver, transport: BaseFrameReceiver, timeout_s: float) -> list[TransferResult]:
+    """Feeds whatever the transport has into the receiver; returns the terminal outcomes."""
+    for frame in transport.recv(timeout_s):
+        receiver.handle(frame)
+    return receiver.collect()

@@ -1,0 +1,208 @@
+"""Built-in checkpoints (`builtin:tiny`, `builtin:small`): made locally, since no hub is reachable.
+
+The loader (engine/model/loader.py) resolves a `builtin:NAME` model to a directory in the cache,
+building it on first use: a byte-level BPE tokenizer trained on a fixed local corpus (this
+Python's standard library sources) and a deterministically, randomly initialised Llama
+checkpoint, both written in Hugging Face format so transformers (and any other tool) loads the
+same files. Building a name twice gives identical bytes.
+
+Why the init scale is large: with tied embeddings and the usual std=0.02, the residual stream
+is dominated by the input embedding, so the tied output layer scores the current token
+highest and greedy decoding repeats it forever - an equality test against any reference would
+then pass almost blindly. A larger std lets the layers dominate, and continuations depend on
+the prompt (tests/unit/test_builtin_models.py checks this).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+BUILTIN_PREFIX = "builtin:"
+FORMAT_VERSION = "v1"  # bump when the recipe changes, so stale caches are not reused
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2: bos, eos, pad
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    init_std: float
+    corpus_bytes: int  # how much of the corpus the tokenizer trains on
+    seed: int
+
+
+BUILTIN_SPECS = {
+    "tiny": BuiltinSpec(4096, 256, 4, 8, 4, 704, 2048, init_std=0.2, corpus_bytes=2_000_000, seed=1234),
+    "small": BuiltinSpec(32000, 768, 12, 12, 4, 2048, 4096, init_std=0.15, corpus_bytes=6_000_000, seed=5678),
+}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def parse_builtin(model: str) -> str | None:
+    """'builtin:tiny' -> 'tiny'; None for anything that is not a built-in name."""
+    if not model.startswith(BUILTIN_PREFIX):
+        return None
+    name = model[len(BUILTIN_PREFIX) :]
+    if name not in BUILTIN_SPECS:
+        raise ValueError(f"unknown built-in model {model!r}; choose one of "
+                         f"{[BUILTIN_PREFIX + n for n in BUILTIN_SPECS]}")
+    return name
+
+
+def ensure_builtin(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Returns the directory of built-in model `name`, building it into the cache if absent."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / f"builtin-{name}-{FORMAT_VERSION}"
+    if (target / "model.safetensors").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a crash never leaves a half-written model that a
+    # later run would mistake for a finished one.
+    tmp = Path(tempfile.mkdtemp(prefix=f".building-{name}-", dir=root))
+    try:
+        build_builtin(name, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first; its bytes are identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def build_builtin(name: str, out_dir: str | Path) -> Path:
+    """Writes built-in model `name` in Hugging Face format into `out_dir`."""
+    spec = BUILTIN_SPECS[name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tqdm(total=3, desc=f"building builtin:{name}", unit="step", disable=None) as bar:
+        bar.set_postfix_str("training tokenizer")
+        _write_tokenizer(spec, out)
+        bar.update()
+        bar.set_postfix_str("initialising weights")
+        tensors = _init_weights(spec)
+        bar.update()
+        bar.set_postfix_str("writing safetensors")
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(_hf_config(spec), indent=2, sort_keys=True) + "\n")
+        (out / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "do_sample": False},
+                       indent=2, sort_keys=True) + "\n"
+        )
+        (out / "pdserve_builtin.json").write_text(json.dumps({"name": name, **asdict(spec)}, indent=2) + "\n")
+        bar.update()
+    return out
+
+
+def corpus_files() -> list[Path]:
+    """The fixed corpus: this interpreter's top-level stdlib modules, in name order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in stdlib.glob("*.py") if p.is_file())
+
+
+def _corpus_lines(limit_bytes: int):
+    total = 0
+    for path in corpus_files():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+            total += len(line)
+            if total > limit_bytes:
+                return
+            yield line
+
+
+def _write_tokenizer(spec: BuiltinSpec, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus_lines(spec.corpus_bytes), trainer=trainer)
+    # Llama-style: every encoded prompt starts with <s>.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "model_max_length": spec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+        "add_bos_token": True,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n"
+    )
+
+
+def _init_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(spec.seed)
+    head_dim = spec.hidden_size // spec.num_heads
+    h, kv = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * spec.init_std).contiguous()
+
+    tensors = {"model.embed_tokens.weight": normal(spec.vocab_size, spec.hidden_size)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "self_attn.q_proj.weight"] = normal(h, spec.hidden_size)
+        tensors[p + "self_attn.k_proj.weight"] = normal(kv, spec.hidden_size)
+        tensors[p + "self_attn.v_proj.weight"] = normal(kv, spec.hidden_size)
+        tensors[p + "self_attn.o_proj.weight"] = normal(spec.hidden_size, h) / spec.num_layers**0.5
+        tensors[p + "mlp.gate_proj.weight"] = normal(spec.intermediate_size, spec.hidden_size)
+        tensors[p + "mlp.up_proj.weight"] = normal(spec.intermediate_size, spec.hidden_size)
+        tensors[p + "mlp.down_proj.weight"] = normal(spec.hidden_size, spec.intermediate_size) / spec.num_layers**0.5
+        tensors[p + "input_layernorm.weight"] = torch.ones(spec.hidden_size)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(spec.hidden_size)
+    tensors["model.norm.weight"] = torch.ones(spec.hidden_size)
+    return tensors
+
+
+def _hf_config(spec: BuiltinSpec) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "float32",
+    }

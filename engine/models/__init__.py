@@ -1,1 +1,0 @@
-"""Model implementations served by the engine (one decoder covers Llama, Mistral and Qwen2)."""

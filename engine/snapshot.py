@@ -1,0 +1,31 @@
+"""What other threads may know about an engine: an immutable snapshot its owning thread publishes.
+
+The engine's scheduler and page manager belong to the thread that steps the engine (a worker's
+serving thread, or the caller of `LLM.generate`). Heartbeats, `pdserve status` and Prometheus
+scrapes run on threads of their own; they read `LLMEngine.snapshot`, a frozen object replaced
+whole after every step and every change a role makes between steps (cluster/serving_loop.py
+publishes once per loop turn), so a reader sees one consistent state, at most a step old, and
+never iterates a structure the step thread is changing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    num_running: int = 0  # sequences in the running batch
+    num_waiting: int = 0  # sequences waiting to be scheduled
+    num_pages: int = 0  # KV pages in the cache
+    free_pages: int = 0  # allocatable: free or evictable prefix-cache pages
+    referenced_pages: int = 0  # in use: running, held for a transfer, or reserved
+    cached_pages: int = 0  # holding a reusable prefix
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, ever
+    prefix_hit_tokens: int = 0  # of which found
+    num_steps: int = 0  # steps that computed something
+
+    def page_stats(self) -> dict[str, int]:
+        """The KV page counts in the shape `pdserve status` and the tests read."""
+        return {"num_pages": self.num_pages, "free": self.free_pages, "referenced": self.referenced_pages,
+                "cached": self.cached_pages}

@@ -1,0 +1,38 @@
+"""What a router is started with: one frozen `RouterSpec`.
+
+Built from the cluster YAML in one place (cluster/specs.py `router_spec`) and used alike by the
+Ray launcher (cluster/actors.py RouterActor), the in-process test cluster (tests/local_cluster.py)
+and unit tests, so a setting added to the YAML reaches the router through one typed object, never a
+hand-built dict of keyword arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from configs import RouterConfig
+from router.worker_pool import WorkerEndpoint
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    model_dir: str  # the resolved local checkpoint: tokenizer.json and config.json
+    model_name: str  # what clients call the model (the YAML's `model`; OpenAI `model` field)
+    mode: Literal["disaggregated", "colocated"]
+    endpoints: tuple[WorkerEndpoint, ...]
+    event_address: str  # host:port the router's event socket binds (router.worker_event_port)
+    router: RouterConfig = field(default_factory=RouterConfig)  # the YAML's router section, as is
+    kv_timeout_s: float = 30.0  # kv_transfer.timeout_s: a prefill's KV transfer deadline
+    lease_s: float = 30.0  # kv_transfer.reservation_lease_s: how long decode pages stay reserved
+    # The longest sequence every serving engine accepts (their engine.max_model_len, the smallest
+    # of the pools'); None = the model's own context. Prompts at or over it get INVALID_ARGUMENT.
+    max_model_len: int | None = None
+    default_timeout_s: float = 600.0  # a request without its own timeout_s ends after this
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"unknown mode {self.mode!r}; choose 'disaggregated' or 'colocated'")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        object.__setattr__(self, "endpoints", tuple(self.endpoints))

@@ -1,0 +1,103 @@
+"""A whole cluster inside one process, without Ray: worker roles on threads, the router on an
+asyncio thread, ZMQ on loopback between them. For tests and benchmarks that need the real
+sockets and gRPC path but not Ray's process placement (`pdserve up` uses Ray actors). A test
+fixture: nothing shipped imports it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.specs import router_spec, worker_spec
+from cluster.worker_host import WorkerHost
+from configs import ClusterConfig, EngineConfig
+from engine.metrics.peak import Peak
+from proto import pdserve_pb2_grpc
+from router.server import Router
+from router.worker_pool import WorkerEndpoint
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCluster:
+    def __init__(self, model_dir, mode: str, engine: EngineConfig, num_workers: int = 1,
+                 ready_timeout_s: float = 60.0, metrics_peak: Peak | None = None,
+                 crash_when: dict[str, Callable[[object], str | None]] | None = None,
+                 kv_timeout_s: float = 30.0, lease_s: float = 30.0, **router: object) -> None:
+        """`metrics_peak`: serve each worker's /metrics on a free port (`metrics_address`),
+        measuring MBU / MFU against this peak; `num_workers` per role; `crash_when`: worker id
+        -> fault-injection hook (cluster/worker_host.py); `router`: RouterConfig fields (SLOs,
+        retries, heartbeat timeout, queue bounds), validated as the YAML's would be.
+
+        The cluster is described by a ClusterConfig and its processes' specs are built from it
+        by cluster/specs.py, as `pdserve up` builds them; only the ports differ (free ones)."""
+        roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
+        settings = engine.model_dump(exclude={"model"})
+        pools = {role: {"num_workers": num_workers, "base_port": 20000 + 1000 * k, "engine": settings,
+                        **({"kv_base_port": 23000} if role == "decode" else {}),
+                        **({"metrics_base_port": 24000 + 1000 * k} if metrics_peak else {})}
+                 for k, role in enumerate(roles)}
+        self.config = ClusterConfig.model_validate({
+            "model": engine.model, "mode": mode, **pools,
+            "router": {"host": "127.0.0.1", "grpc_port": 1, "worker_event_port": free_port(), "control_port": 2,
+                       **router},
+            "kv_transfer": {"timeout_s": kv_timeout_s, "reservation_lease_s": lease_s, "checksum": True},
+        })
+        self.hosts = []
+        for role in roles:
+            for i in range(num_workers):
+                spec = worker_spec(self.config, role, i, "127.0.0.1", "127.0.0.1")
+                spec = replace(spec, command_port=free_port(), kv_port=free_port() if spec.kv_port else None,
+                               metrics_port=free_port() if spec.metrics_port else None)
+                self.hosts.append(WorkerHost(spec, peak=metrics_peak, crash_when=(crash_when or {}).get(spec.worker_id)))
+        for h in self.hosts:
+            h.start()
+        endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]
+        self.router = Router(router_spec(self.config, str(model_dir), endpoints, "127.0.0.1"))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self.router.start("127.0.0.1", 0), self.loop).result(30)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pdserve_pb2_grpc.GenerationStub(self.channel)
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + ready_timeout_s
+        while (health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING
+               or not all(self.router.pool.healthy(h.worker_id) for h in self.hosts)):
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError("the local cluster never became healthy")
+            time.sleep(0.05)
+
+    def metrics_address(self, worker_id: str) -> str:
+        host = next(h for h in self.hosts if h.worker_id == worker_id)
+        return f"127.0.0.1:{host.metrics_port}"
+
+    def wait_pages_free(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = [h.page_stats() for h in self.hosts if not h.crashed]  # a dead worker's pages died with it
+            if all(s["referenced"] == 0 for s in stats):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pages still referenced: {stats}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.router.stop(0.2), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        for h in self.hosts:
+            h.stop()

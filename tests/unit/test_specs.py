@@ -1,0 +1,89 @@
+"""cluster/specs.py: the cluster YAML becomes each process's frozen spec in one place, and every
+engine setting a process needs reaches it (max_model_len and cache_dir reach the router)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from cluster.specs import WorkerSpec, model_cache_dir, router_spec, worker_spec
+from configs import ClusterConfig, EngineConfig
+from engine.model.loader import resolve_model_path
+from proto import pdserve_pb2 as pb
+from router.journey import RouterError
+from router.server import Router
+from router.validation import validate
+
+
+def cluster(prefill_engine: dict | None = None, decode_engine: dict | None = None, **extra) -> ClusterConfig:
+    return ClusterConfig.model_validate({
+        "model": "builtin:tiny",
+        "prefill": {"num_workers": 2, "base_port": 52100, "engine": prefill_engine or {}},
+        "decode": {"num_workers": 1, "base_port": 52200, "kv_base_port": 52400, "metrics_base_port": 52600,
+                   "peak_tflops": 1.5, "engine": decode_engine or {}},
+        **extra,
+    })
+
+
+def test_the_engines_max_model_len_reaches_the_router(tiny_dir):
+    config = cluster({"max_model_len": 128}, {"max_model_len": 64})
+    spec = router_spec(config, str(tiny_dir), [], "127.0.0.1")
+    assert spec.max_model_len == 64  # the smallest engine limit: a longer prompt fits no decode worker
+    router = Router(spec)
+    assert router.max_model_len == 64
+    long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 64))
+    with pytest.raises(RouterError) as err:
+        validate(long, router.tokenizer, router.max_model_len, 60.0)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "context is 64 tokens" in str(err.value)
+    fits = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 60)), router.tokenizer, 64, 60.0)
+    assert fits.sampling.max_tokens == 4  # clipped to what the context leaves
+    assert Router(router_spec(cluster(), str(tiny_dir), [], "127.0.0.1")).max_model_len == 2048  # the model's
+
+
+def test_the_engines_cache_dir_is_where_the_router_finds_the_model(tmp_path):
+    config = cluster({"cache_dir": str(tmp_path)}, {"cache_dir": str(tmp_path)})
+    assert model_cache_dir(config) == str(tmp_path)
+    assert model_cache_dir(cluster()) is None  # the default ~/.cache/pdserve (or $PDSERVE_CACHE)
+    model_dir = resolve_model_path(config.model, model_cache_dir(config))  # what the launcher does
+    assert model_dir.parent == tmp_path and (model_dir / "tokenizer.json").is_file()
+
+
+def test_router_spec_carries_the_yaml_router_section_and_kv_deadlines(tiny_dir):
+    config = cluster(router={"slo_ttft_ms": 250.0, "max_attempts": 5, "worker_event_port": 53000},
+                     kv_transfer={"timeout_s": 7.0, "reservation_lease_s": 9.0})
+    spec = router_spec(config, str(tiny_dir), [], "10.0.0.5")
+    assert (spec.router.slo_ttft_ms, spec.router.max_attempts) == (250.0, 5)
+    assert (spec.kv_timeout_s, spec.lease_s, spec.event_address) == (7.0, 9.0, "10.0.0.5:53000")
+    assert spec.mode == "disaggregated" and spec.model_name == "builtin:tiny"
+
+
+def test_worker_specs_take_their_index_ports_and_the_pool_engine():
+    config = cluster({"page_size": 8}, {"page_size": 8, "max_num_seqs": 4})
+    prefill = worker_spec(config, "prefill", 1, "127.0.0.1", "127.0.0.1")
+    assert (prefill.worker_id, prefill.command_port, prefill.kv_port, prefill.metrics_port) == ("prefill-1", 52101,
+                                                                                               None, None)
+    assert prefill.engine == EngineConfig(model="builtin:tiny", page_size=8)
+    decode = worker_spec(config, "decode", 0, "127.0.0.1", "127.0.0.1")
+    assert (decode.kv_port, decode.metrics_port, decode.peak_tflops) == (52400, 52600, 1.5)
+    assert decode.engine.max_num_seqs == 4 and decode.router_event_address == "127.0.0.1:52000"
+
+
+def test_torch_dist_workers_get_their_rank_in_the_kv_group():
+    config = cluster(kv_transfer={"transport": "torch_dist", "dist_port": 52500})
+    ranks = [worker_spec(config, role, i, "127.0.0.1", "10.0.0.5") for role, i in
+             (("prefill", 0), ("prefill", 1), ("decode", 0))]
+    assert [(s.dist_rank, s.dist_world_size) for s in ranks] == [(0, 3), (1, 3), (2, 3)]
+    assert {s.dist_store_address for s in ranks} == {"10.0.0.5:52500"}
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"role": "router"}, "unknown worker role 'router'"),
+    ({"role": "decode"}, "a decode worker needs a kv_port"),
+    ({"kv_transport": "rdma"}, "unknown KV transport 'rdma'"),
+    ({"kv_transport": "torch_dist", "dist_rank": 0}, "needs dist_rank, dist_world_size and dist_store_address"),
+])
+def test_a_worker_spec_that_cannot_run_is_refused(fields, message):
+    base = {"role": "prefill", "worker_id": "prefill-0", "engine": EngineConfig(), "host": "127.0.0.1",
+            "command_port": 1, "router_event_address": "127.0.0.1:2"}
+    with pytest.raises(ValueError, match=message):
+        WorkerSpec(**(base | fields))
