@@ -83,6 +83,9 @@ def serve(
                         log.warning("dropped a bad command on %s: %s", command_address, exc)
             busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
+    except BaseException:
+        stop.set()  # the loop died: heartbeats stop with it, so the router sees a dead worker, not a zombie
+        raise
     finally:
         sock.close()
         beat.join(heartbeat_s + 1)

@@ -6,6 +6,7 @@ engine's step observer and the KV transfer observers.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import uuid
@@ -25,23 +26,21 @@ from engine.parallel.shard_follower import group_backend
 from prefill_worker.worker import PrefillWorker
 from proto import worker_messages as wm
 
-
-class WorkerCrashed(BaseException):
-    """Fault injection (tests): the worker stops here as a killed process would, mid-request,
-    sending nothing more (BaseException: no role code may swallow it)."""
+log = logging.getLogger(__name__)
+Emit = Callable[[object], None]
 
 
 class WorkerHost:
     def __init__(self, spec: WorkerSpec, peak: Peak | None = None,
-                 crash_when: Callable[[object], str | None] | None = None) -> None:
+                 event_tap: Callable[[Emit], Emit] | None = None) -> None:
         """`spec`: what this worker is (cluster/specs.py); `peak`: what MBU / MFU are measured
         against (None = the spec's configured peaks, or measured now, engine/metrics/peak.py);
-        `crash_when` (fault-injection tests only): sees each event the role emits and answers
-        "before" or "after" (sending it) to crash the worker there, None to go on."""
+        `event_tap`: wraps the role's `emit` (tests inject faults through it; anything it raises
+        ends the worker as a crash would, tests/fault_injection.py)."""
         if spec.host == NODE_IP:
             raise ValueError("resolve the node's address before hosting a worker (WorkerActor does)")
         self.spec = spec
-        self._crash_when = crash_when
+        self._event_tap = event_tap
         self.crashed = False
         self.incarnation = uuid.uuid4().hex  # in every heartbeat: the router tells a replacement apart
         self.role, self.worker_id = spec.role, spec.worker_id
@@ -122,29 +121,18 @@ class WorkerHost:
         events = EventSink(self.spec.router_event_address)
         closers = [events.close]
         try:
-            role = self._make_role(self._faulty(events.emit) if self._crash_when else events.emit, closers)
+            role = self._make_role(self._event_tap(events.emit) if self._event_tap else events.emit, closers)
             serve(role, self.command_address, events, self._load(role), self._stop, on_ready=self._ready.set)
-        except WorkerCrashed:
-            self.crashed = True
-        except BaseException as exc:
-            self.error = exc
+        except BaseException as exc:  # noqa: BLE001 - the serving loop died, so the worker is dead
+            self.crashed, self.error = True, exc
+            # Heartbeats stop with the loop: the router must see a dead worker, never a zombie
+            # that beats while nothing serves (the supervisor then replaces it).
+            self._stop.set()
             self._ready.set()
-            raise
+            log.error("worker %s: serving loop ended by %s: %s", self.worker_id, type(exc).__name__, exc)
         finally:
             for close in closers:
                 close()
-
-    def _faulty(self, emit: Callable[[object], None]) -> Callable[[object], None]:
-        def emit_or_crash(message: object) -> None:
-            when = self._crash_when(message)
-            if when == "after":
-                emit(message)
-            if when is not None:
-                self._stop.set()  # heartbeats stop with the loop
-                raise WorkerCrashed(f"{self.worker_id}: injected crash at {type(message).__name__} ({when})")
-            emit(message)
-
-        return emit_or_crash
 
     def _make_role(self, emit, closers):
         observe_transfer = self.metrics.observe_transfer if self.metrics is not None else None

@@ -2,10 +2,10 @@
 stream tokens back to the router.
 
 Driven by a loop that calls `handle(message)` for router messages and `step()` repeatedly.
-A request needs two things before it can decode: its KV transfer reported DONE by the
-receiver, and StartDecode (its first token) from the router; whichever comes second joins it.
-Every reservation ends exactly once: joined, cancelled by Abort, or dropped when its transfer
-fails or its lease runs out (the router hears Failed and may retry elsewhere). Lifecycle events
+`ReserveKV` brings the prompt and its sampling settings; the request joins the batch the moment
+the receiver reports its transfer DONE (the final frame carries the first token). Every
+reservation ends exactly once: joined, cancelled by Abort, or dropped when its transfer fails or
+its lease (the transfer's deadline) runs out, and the router hears Failed and may retry elsewhere. Lifecycle events
 (reserved, transfer_received, joined, finished, aborted, failed) go to the structured log under
 the router's request id (configs/logging_setup.py).
 """
@@ -24,7 +24,6 @@ from proto.worker_messages import (
     Reserved,
     ReserveKV,
     ReserveRejected,
-    StartDecode,
     Tokens,
 )
 
@@ -59,16 +58,13 @@ class DecodeWorker:
         self.clock = clock
         self.receiver = KVReceiver(engine.kv_cache, clock, transfer_observer)
         self.log = EventLog("decode", worker_id)
-        self._received: dict[str, float] = {}  # KV in place, waiting for StartDecode until this time
-        self._leases: dict[str, float] = {}
-        self._starts: dict[str, StartDecode] = {}
+        # One record per request between ReserveKV and joining: its prompt and sampling settings.
+        # The pages are the engine's reservation; the KV deadline is the receiver's.
+        self._reserved: dict[str, ReserveKV] = {}
 
     def handle(self, message: object) -> None:
         if isinstance(message, ReserveKV):
             self._reserve(message)
-        elif isinstance(message, StartDecode):
-            self._starts[message.request_id] = message
-            self._join_ready()
         elif isinstance(message, Abort):
             if self._drop(message.request_id):
                 self.log.event("aborted", message.request_id)
@@ -80,15 +76,13 @@ class DecodeWorker:
         engine ran; with nothing to run it waits up to idle_wait_s for KV instead of spinning."""
         idle = not self.engine.has_unfinished_requests() and self.receiver.num_pending > 0
         for outcome in poll(self.receiver, self.kv_transport, idle_wait_s if idle else 0.0):
-            if outcome.state is TransferState.DONE:
-                self._received[outcome.request_id] = self._leases[outcome.request_id]
-                self.log.event("transfer_received", outcome.request_id)
-            else:
+            if outcome.state is not TransferState.DONE:
                 self._fail(outcome.request_id, "transfer", f"KV transfer {outcome.state.value}: {outcome.detail}")
-        now = self.clock()
-        for request_id in [r for r, deadline in self._received.items() if deadline <= now]:
-            self._fail(request_id, "decode", "lease expired before StartDecode arrived")
-        self._join_ready()
+            elif outcome.first_token is None:
+                self._fail(outcome.request_id, "transfer", "KV transfer done without a first token")
+            else:
+                self.log.event("transfer_received", outcome.request_id)
+                self._join(outcome.request_id, outcome.first_token)
         if not self.engine.has_unfinished_requests():
             return False
         for out in self.engine.step():
@@ -116,25 +110,23 @@ class DecodeWorker:
             self.emit(ReserveRejected(message.request_id, self.worker_id, "no free KV pages"))
             return
         self.log.event("reserved", message.request_id, pages=len(res.page_ids), cached_pages=res.num_cached_pages)
-        self._leases[message.request_id] = self.clock() + message.lease_s
+        self._reserved[message.request_id] = message
         self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), message.lease_s)
         self.emit(Reserved(message.request_id, self.worker_id, self.kv_address, len(res.page_ids),
                            res.num_cached_pages))
 
-    def _join_ready(self) -> None:
-        for request_id in [r for r in self._received if r in self._starts]:
-            start = self._starts.pop(request_id)
-            del self._received[request_id], self._leases[request_id]
-            try:
-                out = self.engine.add_prefilled_request(request_id, list(start.prompt_token_ids), start.first_token,
-                                                        sampling_params(start.sampling))
-            except ValueError as exc:
-                self.engine.abort_request(request_id)
-                self.emit(Failed(request_id, self.worker_id, "decode", str(exc)))
-                continue
-            self.log.event("joined", request_id)
-            if out is not None:  # the first token already finished it
-                self._emit_tokens(out)
+    def _join(self, request_id: str, first_token: int) -> None:
+        reserve = self._reserved.pop(request_id)
+        try:
+            out = self.engine.add_prefilled_request(request_id, list(reserve.prompt_token_ids), first_token,
+                                                    sampling_params(reserve.sampling))
+        except ValueError as exc:
+            self.engine.abort_request(request_id)
+            self.emit(Failed(request_id, self.worker_id, "decode", str(exc)))
+            return
+        self.log.event("joined", request_id)
+        if out is not None:  # the first token already finished it
+            self._emit_tokens(out)
 
     def _fail(self, request_id: str, stage: str, reason: str) -> None:
         self._drop(request_id)
@@ -145,6 +137,5 @@ class DecodeWorker:
         """Frees whatever this request holds here (reservation, expected KV, running sequence);
         False when it held nothing."""
         held = self.receiver.cancel(request_id)
-        for table in (self._received, self._leases, self._starts):
-            held = table.pop(request_id, None) is not None or held
+        held = self._reserved.pop(request_id, None) is not None or held
         return self.engine.abort_request(request_id) or held

@@ -270,21 +270,13 @@ class LLMEngine:
     # -- introspection (tests, metrics) -------------------------------------------------------
     def page_stats(self) -> dict[str, int]:
         """KV page counts now; on the engine's own thread only (other threads read `snapshot`)."""
-        return self._take_snapshot().page_stats()
+        return EngineSnapshot.of(self.scheduler, self.page_manager, self.num_steps).page_stats()
 
     def publish_snapshot(self) -> EngineSnapshot:
         """Replaces `snapshot` with the state now. Called on the engine's own thread: by `step`, and
         by the serving loop after each turn (reservations and admissions change pages between steps)."""
-        self.snapshot = self._take_snapshot()
+        self.snapshot = EngineSnapshot.of(self.scheduler, self.page_manager, self.num_steps)
         return self.snapshot
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        pm, sched = self.page_manager, self.scheduler
-        return EngineSnapshot(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_pages=pm.num_pages,
-            free_pages=pm.num_free_pages, referenced_pages=pm.num_referenced_pages, cached_pages=pm.num_cached_pages,
-            prefix_queried_tokens=pm.prefix_queries_tokens, prefix_hit_tokens=pm.prefix_hit_tokens,
-            num_steps=self.num_steps)
 
     def encode(self, text: str) -> list[int]:
         """Tokenizes a text prompt the way Hugging Face does (BOS added where the model adds it)."""

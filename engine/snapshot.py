@@ -11,6 +11,11 @@ never iterates a structure the step thread is changing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.page_manager import PageManager
+    from engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,15 @@ class EngineSnapshot:
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, ever
     prefix_hit_tokens: int = 0  # of which found
     num_steps: int = 0  # steps that computed something
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, page_manager: PageManager, num_steps: int) -> EngineSnapshot:
+        """The state now: on the engine's own thread only."""
+        pm, sched = page_manager, scheduler
+        return cls(num_running=len(sched.running), num_waiting=len(sched.waiting), num_pages=pm.num_pages,
+                   free_pages=pm.num_free_pages, referenced_pages=pm.num_referenced_pages,
+                   cached_pages=pm.num_cached_pages, prefix_queried_tokens=pm.prefix_queries_tokens,
+                   prefix_hit_tokens=pm.prefix_hit_tokens, num_steps=num_steps)
 
     def page_stats(self) -> dict[str, int]:
         """The KV page counts in the shape `pdserve status` and the tests read."""

@@ -24,7 +24,11 @@ class _Job:
     message: Prefill
     sender: KVSender
     pages_sent: int = 0  # destination pages sent so far (after skip)
-    prefill_done: bool = False
+    first_token: int | None = None  # sampled when the prefill is done; travels in the final KV frame
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.first_token is not None
 
 
 class PrefillWorker:
@@ -71,7 +75,7 @@ class PrefillWorker:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
-            job.prefill_done = True
+            job.first_token = out.new_token_ids[0]
             self.log.event("prefill_done", out.request_id, prompt_tokens=out.num_prompt_tokens,
                            cached_prompt_tokens=out.num_cached_prompt_tokens)
             self.emit(FirstToken(out.request_id, self.worker_id, out.new_token_ids[0],
@@ -115,7 +119,7 @@ class PrefillWorker:
             self._end(request_id, job, job.sender.abort(request_id, str(exc)))
             return
         if job.prefill_done:
-            self._end(request_id, job, job.sender.finish(request_id))
+            self._end(request_id, job, job.sender.finish(request_id, job.first_token))
 
     def _end(self, request_id: str, job: _Job, state: TransferState) -> None:
         del self._jobs[request_id]

@@ -1,13 +1,13 @@
 """Router <-> worker messages (ZMQ, msgpack): plain frozen dataclasses, no pickle.
 
 The disaggregated journey of request R (docs/design.md §2), one message per arrow:
-    router -> decode   ReserveKV(R, prompt)            pages first: backpressure before compute
+    router -> decode   ReserveKV(R, prompt, lease, sampling)   pages first: backpressure before compute
     decode -> router   Reserved(R, kv_address, ...)    or ReserveRejected(R): retry later
     router -> prefill  Prefill(R, prompt, sampling, KVDestination)
     prefill -> router  FirstToken(R, token)            at once: TTFT does not wait for KV
-    router -> decode   StartDecode(R, prompt, first_token, sampling)
+    prefill -> decode  KV page frames, then `done` carrying the first token (engine/kv_transfer/)
     prefill -> router  TransferEnded(R, state)         KV sent (or not): held pages freed
-    decode -> router   Tokens(R, ids, finished?)       streamed until finished
+    decode -> router   Tokens(R, ids, finished?)       joined when the transfer is done; streamed
     router -> any      Abort(R)                        cancel/deadline: every side frees
     worker -> router   Failed(R, stage, reason)        a terminal failure on that worker
     worker -> router   Load(...)                       heartbeat: liveness and policy inputs
@@ -47,9 +47,13 @@ class KVDestination:
 
 @dataclass(frozen=True)
 class ReserveKV:
+    """Pages for the prompt, held `lease_s` for its KV; with the sampling settings, so the decode
+    worker joins the request as soon as the transfer's final frame (with the first token) lands."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     lease_s: float
+    sampling: Sampling
 
 
 @dataclass(frozen=True)
@@ -90,14 +94,6 @@ class TransferEnded:
     request_id: str
     worker_id: str
     state: str  # engine.kv_transfer.TransferState value
-
-
-@dataclass(frozen=True)
-class StartDecode:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    first_token: int
-    sampling: Sampling
 
 
 @dataclass(frozen=True)
@@ -144,7 +140,7 @@ class Load:
 
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (
-    ReserveKV, Reserved, ReserveRejected, Prefill, FirstToken, TransferEnded, StartDecode,
+    ReserveKV, Reserved, ReserveRejected, Prefill, FirstToken, TransferEnded,
     Generate, Tokens, Abort, Failed, Load,
 )}
 _NESTED = {"sampling": Sampling, "kv": KVDestination}

@@ -21,7 +21,7 @@ import jinja2.sandbox
 from aiohttp import web
 
 from proto import pdserve_pb2 as pb
-from router.journey import RouterError
+from router.journey_state import RouterError
 from router.server import Router
 
 # Used when the model ships no chat template: one line per turn, then the assistant's cue.

@@ -24,7 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from configs.logging_setup import EventLog
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
-from router.journey import JourneySettings, RouterError, run_journey
+from router.journey import run_journey
+from router.journey_state import JourneySettings, RouterError
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.prefill_gate import PrefillGate

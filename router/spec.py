@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from configs import RouterConfig
+from configs.cluster import RouterConfig
 from router.worker_pool import WorkerEndpoint
 
 

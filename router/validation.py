@@ -16,7 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
-from router.journey import Journey, RouterError
+from router.journey_state import Journey, RouterError
 from router.tokenizer import RouterTokenizer
 
 

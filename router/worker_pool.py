@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -33,21 +33,28 @@ class WorkerEndpoint:
     command_address: str  # host:port the worker binds for commands
 
 
+@dataclass
+class _Worker:
+    """Everything the router knows of one worker: removing a worker is one deletion."""
+
+    endpoint: WorkerEndpoint
+    commands: zmq.asyncio.Socket  # PUSH to the worker's command socket
+    draining: bool = False  # no new requests; the ones it holds go on
+    requests: set[str] = field(default_factory=set)  # ids of request attempts it takes part in
+    load: wm.Load | None = None  # the last heartbeat
+    last_seen: float | None = None  # when it arrived (time.monotonic())
+
+
 class WorkerPool:
     def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, heartbeat_timeout_s: float = 3.0) -> None:
         self._ctx = zmq.asyncio.Context.instance()
-        self.endpoints: dict[str, WorkerEndpoint] = {}
-        self._commands: dict[str, zmq.asyncio.Socket] = {}
-        self._draining: set[str] = set()
-        self._requests: dict[str, set[str]] = {}  # worker id -> ids of request attempts it takes part in
+        self._workers: dict[str, _Worker] = {}
         for e in endpoints:
             self.add(e)
         self._events = self._ctx.socket(zmq.PULL)
         self._events.setsockopt(zmq.LINGER, 0)
         self._events.bind(f"tcp://{event_address}")
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._loads: dict[str, wm.Load] = {}
-        self._last_seen: dict[str, float] = {}
         self._waiters: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
 
@@ -61,77 +68,80 @@ class WorkerPool:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for sock in [*self._commands.values(), self._events]:
-            sock.close()
+        for worker in self._workers.values():
+            worker.commands.close()
+        self._events.close()
 
     # -- membership -----------------------------------------------------------------------------
+    @property
+    def endpoints(self) -> dict[str, WorkerEndpoint]:
+        return {wid: w.endpoint for wid, w in self._workers.items()}
+
     def add(self, endpoint: WorkerEndpoint) -> None:
-        if endpoint.worker_id in self.endpoints:
+        if endpoint.worker_id in self._workers:
             raise ValueError(f"worker {endpoint.worker_id} is already in the pool")
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{endpoint.command_address}")
-        self._commands[endpoint.worker_id] = sock
-        self.endpoints[endpoint.worker_id] = endpoint
+        self._workers[endpoint.worker_id] = _Worker(endpoint, sock)
 
     def drain(self, worker_id: str) -> None:
         """No new requests for `worker_id`; the ones it holds go on."""
-        if worker_id not in self.endpoints:
+        if worker_id not in self._workers:
             raise KeyError(f"no worker {worker_id} in the pool")
-        self._draining.add(worker_id)
+        self._workers[worker_id].draining = True
 
     def remove(self, worker_id: str) -> None:
-        self._commands.pop(worker_id).close()
-        del self.endpoints[worker_id]
-        for table in (self._loads, self._last_seen, self._requests):
-            table.pop(worker_id, None)
-        self._draining.discard(worker_id)
+        self._workers.pop(worker_id).commands.close()
 
     def involve(self, request_id: str, worker_id: str) -> None:
-        self._requests.setdefault(worker_id, set()).add(request_id)
+        if worker_id in self._workers:
+            self._workers[worker_id].requests.add(request_id)
 
     def uninvolve(self, request_id: str, worker_id: str) -> None:
         """`worker_id` holds nothing more of `request_id` (its transfer is done, or it refused)."""
-        self._requests.get(worker_id, set()).discard(request_id)
+        if worker_id in self._workers:
+            self._workers[worker_id].requests.discard(request_id)
 
     def release(self, request_id: str) -> None:
-        for ids in self._requests.values():
-            ids.discard(request_id)
+        for worker in self._workers.values():
+            worker.requests.discard(request_id)
 
     def incarnation(self, worker_id: str) -> str | None:
         """Which process behind `worker_id` sent the last heartbeat (None before the first)."""
-        load = self._loads.get(worker_id)
-        return None if load is None else load.incarnation
+        worker = self._workers.get(worker_id)
+        return None if worker is None or worker.load is None else worker.load.incarnation
 
     def in_flight(self, worker_id: str) -> int:
-        return len(self._requests.get(worker_id, ()))
+        worker = self._workers.get(worker_id)
+        return 0 if worker is None else len(worker.requests)
 
     def view(self) -> list[dict]:
         """Each worker as the router sees it (for `pdserve status`)."""
         out = []
-        for wid, e in sorted(self.endpoints.items()):
-            load = self._loads.get(wid)
-            seen = self._last_seen.get(wid)
+        for wid, w in sorted(self._workers.items()):
+            load, e = w.load, w.endpoint
             out.append({"worker_id": wid, "role": e.role, "command_address": e.command_address,
-                        "healthy": self.healthy(wid), "draining": wid in self._draining,
-                        "in_flight": self.in_flight(wid), "last_heartbeat_s": None if seen is None else
-                        round(time.monotonic() - seen, 3), "queued_tokens": load.queued_tokens if load else None,
+                        "healthy": self.healthy(wid), "draining": w.draining,
+                        "in_flight": len(w.requests), "last_heartbeat_s": None if w.last_seen is None else
+                        round(time.monotonic() - w.last_seen, 3), "queued_tokens": load.queued_tokens if load else None,
                         "free_pages": load.free_pages if load else None, "running": load.running if load else None})
         return out
 
     # -- health and load ------------------------------------------------------------------------
     def healthy(self, worker_id: str) -> bool:
-        seen = self._last_seen.get(worker_id)
-        return seen is not None and time.monotonic() - seen < self.heartbeat_timeout_s
+        worker = self._workers.get(worker_id)
+        return (worker is not None and worker.last_seen is not None
+                and time.monotonic() - worker.last_seen < self.heartbeat_timeout_s)
 
     def loads(self, role: str) -> list[WorkerLoad]:
         out = []
-        for wid, e in self.endpoints.items():
-            if e.role != role or wid in self._draining:
+        for wid, w in self._workers.items():
+            if w.endpoint.role != role or w.draining:
                 continue
-            load = self._loads.get(wid)
+            load = w.load
             out.append(WorkerLoad(wid, self.healthy(wid), load.queued_tokens if load else 0,
-                                  load.free_pages if load else 0, load.running if load else 0, self.in_flight(wid)))
+                                  load.free_pages if load else 0, load.running if load else 0, len(w.requests)))
         return out
 
     def all_healthy(self, roles: list[str]) -> bool:
@@ -139,10 +149,10 @@ class WorkerPool:
 
     # -- messaging ------------------------------------------------------------------------------
     async def send(self, worker_id: str, message: object) -> None:
-        sock = self._commands.get(worker_id)
-        if sock is None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
             raise LookupError(f"worker {worker_id} has left the pool")
-        await sock.send(wm.encode(message))
+        await worker.commands.send(wm.encode(message))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -161,8 +171,9 @@ class WorkerPool:
                 log.warning("dropped a bad worker event: %s", exc)
                 continue
             if isinstance(msg, wm.Load):
-                self._loads[msg.worker_id] = msg
-                self._last_seen[msg.worker_id] = time.monotonic()
+                worker = self._workers.get(msg.worker_id)
+                if worker is not None:  # a worker not (or no longer) in the pool is not routed to
+                    worker.load, worker.last_seen = msg, time.monotonic()
                 continue
             queue = self._waiters.get(msg.request_id)
             if queue is not None:

@@ -22,6 +22,7 @@ from engine.metrics.peak import Peak
 from proto import pdserve_pb2_grpc
 from router.server import Router
 from router.worker_pool import WorkerEndpoint
+from tests.fault_injection import crash_tap
 
 
 def free_port() -> int:
@@ -37,7 +38,7 @@ class LocalCluster:
                  kv_timeout_s: float = 30.0, lease_s: float = 30.0, **router: object) -> None:
         """`metrics_peak`: serve each worker's /metrics on a free port (`metrics_address`),
         measuring MBU / MFU against this peak; `num_workers` per role; `crash_when`: worker id
-        -> fault-injection hook (cluster/worker_host.py); `router`: RouterConfig fields (SLOs,
+        -> when to crash it (tests/fault_injection.py); `router`: RouterConfig fields (SLOs,
         retries, heartbeat timeout, queue bounds), validated as the YAML's would be.
 
         The cluster is described by a ClusterConfig and its processes' specs are built from it
@@ -60,7 +61,9 @@ class LocalCluster:
                 spec = worker_spec(self.config, role, i, "127.0.0.1", "127.0.0.1")
                 spec = replace(spec, command_port=free_port(), kv_port=free_port() if spec.kv_port else None,
                                metrics_port=free_port() if spec.metrics_port else None)
-                self.hosts.append(WorkerHost(spec, peak=metrics_peak, crash_when=(crash_when or {}).get(spec.worker_id)))
+                when = (crash_when or {}).get(spec.worker_id)
+                tap = crash_tap(spec.worker_id, when) if when is not None else None
+                self.hosts.append(WorkerHost(spec, peak=metrics_peak, event_tap=tap))
         for h in self.hosts:
             h.start()
         endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]

@@ -47,8 +47,13 @@ def pages_frame(request_id: str, first_page: int, data: torch.Tensor, checksum: 
     return Frame(header, raw.cast("B"))
 
 
-def done_frame(request_id: str, num_pages: int) -> Frame:
-    return Frame({"kind": "done", "request_id": request_id, "num_pages": num_pages})
+def done_frame(request_id: str, num_pages: int, first_token: int | None = None) -> Frame:
+    """The transfer's final frame; it carries the first token so the decode side can join the
+    request the moment its KV is whole (no second message from the router)."""
+    header = {"kind": "done", "request_id": request_id, "num_pages": num_pages}
+    if first_token is not None:
+        header["first_token"] = first_token
+    return Frame(header)
 
 
 def abort_frame(request_id: str, reason: str) -> Frame:
@@ -60,6 +65,7 @@ class TransferResult:
     request_id: str
     state: TransferState
     detail: str = ""
+    first_token: int | None = None  # DONE: the token the prefill side sampled, when it sent one
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,10 @@ class KVReceiver:
                 missing = set(range(len(entry.page_ids))) - entry.received
                 if frame.header.get("num_pages") != len(entry.page_ids) or missing:
                     raise ValueError(f"done after {len(entry.received)} of {len(entry.page_ids)} pages")
-                self._end(request_id, TransferState.DONE)
+                first_token = frame.header.get("first_token")
+                if first_token is not None and (type(first_token) is not int or first_token < 0):
+                    raise ValueError(f"done frame with a bad first token {first_token!r}")
+                self._end(request_id, TransferState.DONE, first_token=first_token)
             elif kind == "abort":
                 self._end(request_id, TransferState.ABORTED, str(frame.header.get("reason", "")))
             else:
@@ -107,9 +110,9 @@ class KVReceiver:
         entry.received.update(range(first, first + num))
         entry.progress.add(len(frame.payload), self.clock())
 
-    def _end(self, request_id: str, state: TransferState, detail: str = "") -> None:
+    def _end(self, request_id: str, state: TransferState, detail: str = "", first_token: int | None = None) -> None:
         entry = self._incoming.pop(request_id)
-        self._outcomes.append(TransferResult(request_id, state, detail))
+        self._outcomes.append(TransferResult(request_id, state, detail, first_token))
         if self.observer is not None:
             self.observer(entry.progress.record("receive", request_id, state, self.clock()))
 

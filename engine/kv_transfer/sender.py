@@ -83,15 +83,15 @@ class KVSender:
                               first_page + len(page_ids))
         self.staging.release(buf, reusable)
 
-    def finish(self, request_id: str) -> TransferState:
-        """Ends the transfer: DONE when every frame was handed over in time, else EXPIRED or
-        FAILED (and the receiver is told to abort)."""
+    def finish(self, request_id: str, first_token: int | None = None) -> TransferState:
+        """Ends the transfer: DONE when every frame was handed over in time (the final frame
+        carries `first_token`), else EXPIRED or FAILED (and the receiver is told to abort)."""
         entry = self._outgoing[request_id]
         try:
             if not self.transport.flush(max(0.0, entry.deadline - self.clock())):
                 self._try_send(abort_frame(request_id, "sender deadline passed"))
                 return self._end(request_id, TransferState.EXPIRED)
-            self.transport.send(done_frame(request_id, entry.num_pages))
+            self.transport.send(done_frame(request_id, entry.num_pages, first_token))
             return self._end(request_id, TransferState.DONE)
         except TransportError:
             return self._end(request_id, TransferState.FAILED)

@@ -73,11 +73,11 @@ def test_streamed_pages_decode_like_hf(link, pair, hf_tiny):
         sender.begin(request_id, timeout_s=10)
         for i in range(0, len(held), 3):  # three pages a frame: streamed, not one blob
             sender.send_pages(request_id, i, prefill.kv_cache.read_pages(list(held[i : i + 3])))
-        assert sender.finish(request_id) is TransferState.DONE
+        assert sender.finish(request_id, first) is TransferState.DONE
         prefill.handoff.release(request_id)
         [outcome] = wait_outcome(receiver, frame_receiver)
-        assert outcome.state is TransferState.DONE, outcome
-        decode.add_prefilled_request(request_id, prompt, first, GREEDY)
+        assert outcome.state is TransferState.DONE and outcome.first_token == first, outcome
+        decode.add_prefilled_request(request_id, prompt, outcome.first_token, GREEDY)
     assert skipped == {"x": 0, "y": 3}  # "y" shares x's first 3 pages: only the rest was sent
     finished = {}
     while decode.has_unfinished_requests():
@@ -176,3 +176,18 @@ def test_staging_buffers_are_reused_only_when_the_transport_is_done():
     in_flight["done"] = True
     assert pool.acquire(shape, torch.float32, cpu) is first
     assert pool.acquire((1,), torch.float32, cpu).shape == (1,)  # other shapes get their own
+
+
+@pytest.mark.parametrize("first_token", ["7", -1, 2.5, True])
+def test_a_done_frame_with_a_bad_first_token_fails_the_transfer(first_token):
+    """The final frame's first token joins the request on decode: anything but a token id fails it."""
+    from engine.kv_transfer import Frame
+
+    channel = InProcChannel()
+    decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4, num_pages=8))
+    receiver = KVReceiver(decode.kv_cache)
+    receiver.expect("r", [], timeout_s=10)  # every page cached: only the done frame travels
+    channel.sender.send(Frame({"kind": "done", "request_id": "r", "num_pages": 0, "first_token": first_token}))
+    [outcome] = wait_outcome(receiver, channel.receiver)
+    assert outcome.state is TransferState.FAILED and "bad first token" in outcome.detail
+    assert outcome.first_token is None

@@ -48,7 +48,7 @@ class MiniRouter:
         self.prompts[request_id] = tuple(prompt)
         self.outputs[request_id] = []
         self.stage[request_id] = "reserving"
-        self.decode.handle(m.decode(m.encode(m.ReserveKV(request_id, tuple(prompt), lease_s))))
+        self.decode.handle(m.decode(m.encode(m.ReserveKV(request_id, tuple(prompt), lease_s, GREEDY))))
 
     def abort(self, request_id: str) -> None:
         for worker in (self.prefill, self.decode):
@@ -56,10 +56,18 @@ class MiniRouter:
         self.stage[request_id] = "aborted"
 
     def pump(self) -> None:
-        self.prefill.step()
-        self.decode.step()
-        while self.to_router:
-            self.route(self.to_router.pop(0))
+        for _ in self._half_steps():
+            pass
+
+    def _half_steps(self):
+        """Each worker steps, then the router takes its messages: a test may act in between (the
+        decode worker joins a request as soon as its KV lands, so "first token routed, decode not
+        joined yet" exists only between the two)."""
+        for worker in (self.prefill, self.decode):
+            worker.step()
+            while self.to_router:
+                self.route(self.to_router.pop(0))
+            yield
 
     def route(self, msg: object) -> None:
         rid = msg.request_id
@@ -73,8 +81,7 @@ class MiniRouter:
             self.rejected.add(rid)
         elif isinstance(msg, m.FirstToken):
             self.stage[rid] = "first_token"
-            self.outputs[rid].append(msg.token_id)
-            self.decode.handle(m.StartDecode(rid, self.prompts[rid], msg.token_id, GREEDY))
+            self.outputs[rid].append(msg.token_id)  # decode joins on its own when the KV lands
         elif isinstance(msg, m.TransferEnded):
             assert msg.state == "done", msg
         elif isinstance(msg, m.Tokens):
@@ -86,10 +93,12 @@ class MiniRouter:
             self.failed[rid] = msg
 
     def run(self, until, max_pumps: int = 2000) -> None:
+        if until():
+            return
         for _ in range(max_pumps):
-            if until():
-                return
-            self.pump()
+            for _ in self._half_steps():
+                if until():
+                    return
         raise AssertionError("router loop did not converge")
 
     def assert_clean(self) -> None:
@@ -148,7 +157,7 @@ def test_abort_while_reserved_and_lapsed_lease_and_full_pool():
     router.submit("held", [0] + list(range(10, 30)))  # reserved; the router aborts before prefill
     router.to_router.clear()
     router.abort("held")
-    router.decode.handle(m.ReserveKV("lapsed", tuple(range(3, 20)), 0.05))
+    router.decode.handle(m.ReserveKV("lapsed", tuple(range(3, 20)), 0.05, GREEDY))
     assert isinstance(router.to_router.pop(), m.Reserved)  # ... and nobody ever prefills it
     time.sleep(0.1)
     router.decode.step()

@@ -10,7 +10,7 @@ from cluster.specs import WorkerSpec, model_cache_dir, router_spec, worker_spec
 from configs import ClusterConfig, EngineConfig
 from engine.model.loader import resolve_model_path
 from proto import pdserve_pb2 as pb
-from router.journey import RouterError
+from router.journey_state import RouterError
 from router.server import Router
 from router.validation import validate
 

@@ -1,0 +1,249 @@
+"""One attempt at a request (router/journey.py runs one, and another after a lost worker):
+choose workers, send the prompt, relay their token events to the client as responses, and free
+everything the attempt took when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import replace
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+from proto import worker_messages as wm
+from router.journey_state import Journey, JourneySettings, Pool, RouterError, Stream, WorkerLost
+from router.policy import LeastLoadedPolicy
+from router.prefill_gate import PrefillGate
+
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+class Attempt:
+    """One try at the rest of a request: the prompt plus what the client already has, under its
+    own id, on workers the policy picks now. It owns what it takes (the events subscription, the
+    workers it involved, the prefill gate credit) and `close` frees all of it: Abort to every
+    involved worker unless the stream finished normally. Two paths, colocated and disaggregated,
+    share one relay from token events to client responses."""
+
+    def __init__(self, j: Journey, number: int, stream: Stream, pool: Pool, policy: LeastLoadedPolicy,
+                 settings: JourneySettings, dispatched: list, gate: PrefillGate) -> None:
+        self.j, self.stream, self.pool, self.policy, self.settings, self.gate = j, stream, pool, policy, settings, gate
+        self.rid = j.request_id if number == 0 else f"{j.request_id}.retry{number}"
+        self.first = number == 0
+        self.prompt = j.prompt + tuple(stream.generated)
+        self.sampling = replace(j.sampling, max_tokens=j.sampling.max_tokens - len(stream.generated))
+        self.wait_s = settings.retry_wait_s if number > 0 else 0.0
+        self.dispatched = dispatched  # the request's one-shot on_dispatch callback, until a first dispatch
+        self.events = pool.subscribe(self.rid)
+        self.involved: set[str] = set()  # workers that may hold something of this attempt: Abort them at the end
+        self.watched: dict[str, str | None] = {}  # workers whose death (or replacement) ends it -> incarnation
+        self.gated: str | None = None  # the prefill worker whose gate credit this attempt holds
+
+    async def run(self) -> AsyncIterator[pb.GenerateResponse]:
+        path = self._colocated() if self.settings.mode == "colocated" else self._disaggregated()
+        try:
+            async with contextlib.aclosing(path) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            await self.close()
+
+    async def _colocated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
+        worker = await _choose(lambda: self.policy.choose_decode(self.prompt, self.pool.loads("colocated")),
+                               self.j, self.wait_s, "no healthy colocated worker")
+        await self._dispatch(worker, wm.Generate(self.rid, self.prompt, self.sampling))
+        while not self.stream.ended:
+            msg = await self._next()
+            if isinstance(msg, wm.Failed):
+                self._fail(msg)
+            elif isinstance(msg, wm.Tokens):
+                if self.first:
+                    self.stream.num_cached = msg.num_cached_prompt_tokens
+                async for response in self._relay([_tokens(msg)]):
+                    yield response
+
+    async def _disaggregated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
+        prefill = await _prefill_slot(self.j, self.prompt, self.pool, self.policy, self.gate, self.wait_s)
+        self.gated = prefill
+        await self._reserve()
+        # The decode worker joins the request when its KV lands and may stream before the prefill
+        # worker's FirstToken is read here (two sockets): hold its tokens back until then.
+        early: list[wm.Tokens] | None = []
+        while not self.stream.ended:
+            msg = await self._next()
+            if isinstance(msg, wm.Reserved):
+                self.policy.record(self.prompt, prefill)
+                kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s)
+                await self._dispatch(prefill, wm.Prefill(self.rid, self.prompt, self.sampling, kv))
+            elif isinstance(msg, wm.Failed):
+                self._fail(msg)
+            elif isinstance(msg, wm.TransferEnded):
+                if msg.state == "done":  # the prefill worker holds nothing more of this request
+                    self._done_with(msg.worker_id)
+            elif isinstance(msg, wm.FirstToken):
+                self._release_gate()  # prefilled: the next prompt in the router's queue may go
+                if self.first:
+                    self.stream.num_cached = msg.num_cached_prompt_tokens
+                pending, early = [([msg.token_id], None), *(_tokens(t) for t in early or ())], None
+                async for response in self._relay(pending):
+                    yield response
+            elif isinstance(msg, wm.Tokens):
+                if early is not None:
+                    early.append(msg)
+                    continue
+                async for response in self._relay([_tokens(msg)]):
+                    yield response
+
+    async def _relay(self, pending: list[tuple[list[int], str | None]]) -> AsyncIterator[pb.GenerateResponse]:
+        """Token events -> client responses (detokenized, stop strings applied), until the end."""
+        for new_ids, reason in pending:
+            response = respond(self.j, self.stream, new_ids, reason)
+            if response is not None:
+                yield response
+            if self.stream.ended:
+                return
+
+    async def _reserve(self) -> None:
+        """Decode pages for the prompt, retrying while every decode worker is full (backpressure)."""
+        while True:
+            worker = await _choose(lambda: self.policy.choose_decode(self.prompt, self.pool.loads("decode")),
+                                   self.j, self.wait_s, "no healthy decode worker")
+            self._use(worker)
+            await _send(self.pool, worker, wm.ReserveKV(self.rid, self.prompt, self.settings.lease_s, self.sampling))
+            msg = await _next(self.events, self.j.deadline, self.pool, {worker: self.pool.incarnation(worker)})
+            if isinstance(msg, wm.Reserved):
+                self.events.put_nowait(msg)  # the path acts on it
+                return
+            if isinstance(msg, wm.Failed):
+                code = grpc.StatusCode.INVALID_ARGUMENT if msg.stage == "reserve" else grpc.StatusCode.UNAVAILABLE
+                raise RouterError(code, msg.reason)
+            self._done_with(worker)  # rejected: it holds nothing
+            await asyncio.sleep(self.settings.reserve_retry_s)
+
+    async def _dispatch(self, worker: str, message: object) -> None:
+        """The prompt goes to the worker that computes it; the first dispatch ends the queue time."""
+        self._use(worker)
+        await _send(self.pool, worker, message)
+        while self.dispatched:
+            self.dispatched.pop()(worker)
+
+    def _next(self):
+        return _next(self.events, self.j.deadline, self.pool, self.watched)
+
+    @staticmethod
+    def _fail(msg: wm.Failed) -> None:
+        if msg.stage == "transfer":  # the KV never arrived whole: its sender may be gone
+            raise WorkerLost(f"KV transfer to {msg.worker_id} failed: {msg.reason}")
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{msg.stage} failed on {msg.worker_id}: {msg.reason}")
+
+    def _use(self, worker: str) -> None:
+        self.involved.add(worker)
+        self.watched[worker] = self.pool.incarnation(worker)
+        self.pool.involve(self.rid, worker)
+
+    def _done_with(self, worker: str) -> None:
+        """`worker` holds nothing more of this attempt."""
+        self.involved.discard(worker)
+        self.watched.pop(worker, None)
+        self.pool.uninvolve(self.rid, worker)
+
+    def _release_gate(self) -> None:
+        if self.gated is not None:
+            self.gate.release(self.gated, len(self.prompt))
+            self.gated = None
+
+    async def close(self) -> None:
+        self._release_gate()
+        self.pool.unsubscribe(self.rid)
+        self.pool.release(self.rid)
+        if not self.stream.done or self.stream.stops.stopped:
+            for worker in self.involved:  # cancel, deadline, error, lost worker or stop string: free every side
+                try:
+                    await self.pool.send(worker, wm.Abort(self.rid))
+                except Exception:  # noqa: BLE001 - best effort; the workers' leases are the backstop
+                    pass
+
+
+def _tokens(msg: wm.Tokens) -> tuple[list[int], str | None]:
+    return list(msg.token_ids), msg.finish_reason if msg.finished else None
+
+
+def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None) -> pb.GenerateResponse | None:
+    """The client's next message for `new_ids` (None when there is nothing to send yet)."""
+    if stream.ttft is None and new_ids:
+        stream.ttft = time.monotonic() - stream.start
+    stream.generated += new_ids
+    text = stream.stops.push(stream.detok.push(new_ids))
+    if stream.stops.stopped:
+        reason = "stop"
+    if reason is None:
+        return pb.GenerateResponse(request_id=j.request_id, text=text, token_ids=new_ids) if text or new_ids else None
+    if not stream.stops.stopped:  # the end of the stream: release what was held back
+        text += stream.stops.push(stream.detok.flush())
+        text += stream.stops.flush()
+        reason = "stop" if stream.stops.stopped else reason
+    stream.ended = True
+    stream.done = reason != "abort"
+    return pb.GenerateResponse(
+        request_id=j.request_id, text=text, token_ids=new_ids, finish_reason=FINISH[reason],
+        usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=len(stream.generated),
+                       cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0))
+
+
+async def _choose(choose: Callable[[], str | None], j: Journey, wait_s: float, none_message: str) -> str:
+    """A worker from the policy; a retry waits up to `wait_s` for one to become healthy."""
+    give_up = min(time.monotonic() + wait_s, j.deadline)
+    while True:
+        worker = choose()
+        if worker is not None:
+            return worker
+        if time.monotonic() >= give_up:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, none_message)
+        await asyncio.sleep(0.1)
+
+
+async def _prefill_slot(j: Journey, prompt: tuple[int, ...], pool: Pool, policy: LeastLoadedPolicy,
+                        gate: PrefillGate, wait_s: float) -> str:
+    """A prefill worker with room for `prompt` (gate credit taken), waiting in the router's queue
+    while every healthy one is full; UNAVAILABLE when none is healthy for `wait_s`."""
+    give_up = time.monotonic() + wait_s
+
+    def choose(full: set[str]) -> str | None:
+        loads = pool.loads("prefill")
+        if not any(w.healthy for w in loads) and time.monotonic() >= give_up:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        return policy.choose_prefill(prompt, [w for w in loads if w.worker_id not in full])
+
+    return await gate.acquire(len(prompt), choose, j.deadline,
+                              lambda: RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired"))
+
+
+async def _send(pool: Pool, worker: str, message: object) -> None:
+    """A command for an attempt; a worker that has left the pool (drained past its timeout) is lost."""
+    try:
+        await pool.send(worker, message)
+    except LookupError as exc:
+        raise WorkerLost(str(exc)) from None
+
+
+async def _next(events: asyncio.Queue, deadline: float, pool: Pool, watched: dict[str, str | None],
+                check_every_s: float = 0.25) -> object:
+    """The next event for this request. Fails fast, instead of waiting out the deadline, when a
+    worker holding part of the request stops sending heartbeats."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired")
+        try:
+            return await asyncio.wait_for(events.get(), min(remaining, check_every_s))
+        except TimeoutError:
+            dead = sorted(w for w in watched if not pool.healthy(w))
+            if dead:
+                raise WorkerLost(f"worker {', '.join(dead)} stopped responding (no heartbeat)") from None
+            replaced = sorted(w for w, incarnation in watched.items() if pool.incarnation(w) != incarnation)
+            if replaced:  # a new process under the old id knows nothing of this attempt
+                raise WorkerLost(f"worker {', '.join(replaced)} was replaced") from None
