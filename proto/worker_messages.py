@@ -168,7 +168,10 @@ def _from_raw(raw: Any) -> Any:
     names = {f.name for f in fields(cls)}
     if set(raw) != names:
         raise ValueError(f"{cls.__name__} fields {sorted(raw)} != {sorted(names)}")
-    for key, nested in _NESTED.items():
-        if key in raw:
-            raw[key] = nested(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw[key].items()})
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    try:
+        for key, nested in _NESTED.items():
+            if key in raw:
+                raw[key] = nested(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw[key].items()})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    except (TypeError, AttributeError) as exc:  # a nested message that is not a map, or has other keys
+        raise ValueError(f"malformed {cls.__name__}: {exc}") from None
