@@ -17,289 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
-
-def _cmd_complete(args: argparse.Namespace) -> int:
-    from configs import EngineConfig
-    from engine import LLMEngine, SamplingParams
-
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, ignore_eos=args.ignore_eos,
-    )
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
-    prompt_ids = engine.encode(args.prompt)
-    engine.add_request("cli", prompt_ids, params)
-    start = time.perf_counter()
-    first_token_at = None
-    shown = ""
-    sys.stdout.write(args.prompt)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            first_token_at = first_token_at or time.perf_counter()
-            # Re-decode the whole output each time: a multi-byte character split across tokens
-            # only becomes printable once its last byte arrives.
-            text = engine.decode(out.token_ids)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
-            if out.finished:
-                sys.stdout.write(text[len(shown):] + "\n")
-                elapsed = time.perf_counter() - start
-                n = len(out.token_ids)
-                print(
-                    f"[{n} tokens, finish={out.finish_reason.value}, prompt {out.num_prompt_tokens} tokens, "
-                    f"TTFT {1000 * (first_token_at - start):.1f} ms, {n / elapsed:.1f} tok/s]",
-                    file=sys.stderr,
-                )
-    return 0
-
-
-def _cmd_model_build(args: argparse.Namespace) -> int:
-    from engine.model.builtin import build_builtin, parse_builtin
-
-    name = parse_builtin(args.name)
-    if name is None:
-        raise SystemExit(f"pdserve: {args.name!r} is not a built-in model name (builtin:tiny, builtin:small)")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise SystemExit(f"pdserve: {args.out} exists and is not a directory")
-    if os.path.exists(args.out) and os.listdir(args.out) and not args.force:
-        raise SystemExit(f"pdserve: {args.out} exists and is not empty (use --force to overwrite)")
-    out = build_builtin(name, args.out)
-    print(f"wrote {args.name} to {out}")
-    return 0
-
-
-def _cmd_up(args: argparse.Namespace) -> int:
-    from cluster.lifecycle import Cluster
-    from configs import load_cluster_config
-
-    say = _say
-    cluster = Cluster(load_cluster_config(args.config), args.config, timeout_s=args.timeout, say=say).start()
-    try:
-        say(f"pdserve: cluster up, gRPC at {cluster.grpc_address}; Ctrl-C or 'pdserve down {args.config}' stops it")
-        cluster.serve_until_signal()
-        say("pdserve: stopping the cluster ...")
-    finally:
-        cluster.shutdown()
-    say("pdserve: stopped")
-    return 0
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)
-
-
-def _cmd_down(args: argparse.Namespace) -> int:
-    import signal
-
-    from cluster import launcher
-    from cluster.lifecycle import pid_alive
-
-    state = launcher.read_state(args.config)
-    if state is None or not pid_alive(state["pid"]):
-        launcher.state_file(args.config).unlink(missing_ok=True)
-        print(f"pdserve: no running cluster for {args.config}", file=sys.stderr)
-        return 1
-    os.kill(state["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + args.timeout
-    while pid_alive(state["pid"]):
-        if time.monotonic() > deadline:
-            print(f"pdserve: cluster (pid {state['pid']}) still stopping after {args.timeout:.0f} s", file=sys.stderr)
-            return 1
-        time.sleep(0.2)
-    print("pdserve: cluster stopped")
-    return 0
-
-
-def _control(config_path: str, request: dict, timeout_s: float) -> dict:
-    """One request to the `up` process of CONFIG's cluster; exits with the reason on failure."""
-    from cluster import launcher
-    from cluster.control import control_request
-    from cluster.lifecycle import pid_alive
-    from configs import load_cluster_config
-
-    config = load_cluster_config(config_path)
-    state = launcher.read_state(config_path)
-    if state is None or not pid_alive(state["pid"]):
-        raise SystemExit(f"pdserve: no running cluster for {config_path} (start it with 'pdserve up {config_path}')")
-    host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
-    try:
-        reply = control_request(f"{host}:{config.router.control_port}", request, timeout_s)
-    except TimeoutError as exc:
-        raise SystemExit(f"pdserve: {exc}") from None
-    if not reply.get("ok"):
-        raise SystemExit(f"pdserve: {reply.get('error')}")
-    return reply
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    import json
-
-    status = _control(args.config, {"op": "status"}, args.timeout)["status"]
-    if args.json:
-        print(json.dumps(status, indent=1))
-        return 0
-    print(f"{status['mode']} cluster, gRPC {status['grpc_address']}, "
-          f"{'ready' if status['ready'] else 'NOT READY'}, {status['requests_in_flight']} requests in flight")
-    for node in status["nodes"]:
-        resources = ", ".join(f"{k} {v:g}" for k, v in sorted(node["resources"].items())
-                              if not k.startswith(("node:", "memory", "object_store")))
-        print(f"  node {node['node_id'][:8]} {node['address']}: {resources}")
-    for role, pool in status["pools"].items():
-        print(f"  {role}: {pool['workers']} workers (target {pool['target']}, max {pool['max_workers']}), "
-              f"TP={pool['tensor_parallel_size']} PP={pool['pipeline_parallel_size']}")
-        if pool.get("autoscaling"):
-            a = pool["autoscaling"]
-            print(f"    autoscaler: wants {a['wanted']} ({a['why']})")
-    print(f"  {'worker':<12} {'node':<10} {'health':<9} {'in flight':>9} {'running':>7} {'waiting':>7} "
-          f"{'queued tok':>10} {'KV used/total':>14}  placement")
-    for w in status["workers"]:
-        health = "draining" if w.get("draining") else "healthy" if w.get("healthy") else "DOWN"
-        pages = w.get("kv_pages") or {}
-        kv = f"{pages.get('referenced', '?')}/{pages.get('num_pages', '?')}"
-        placement = "-"
-        if w.get("placement"):
-            nodes = {n[:8] for n in w["placement"]["bundle_nodes"]}
-            placement = f"{w['placement']['strategy']} x{len(w['placement']['bundles'])} on {', '.join(sorted(nodes))}"
-        print(f"  {w['worker_id']:<12} {str(w.get('node_id', '?'))[:8]:<10} {health:<9} {w.get('in_flight', 0):>9} "
-              f"{w.get('running', '?'):>7} {w.get('waiting', '?'):>7} {str(w.get('queued_tokens', '?')):>10} "
-              f"{kv:>14}  {placement}" + (f"  error: {w['error']}" if w.get("error") else ""))
-    return 0
-
-
-def _cmd_scale(args: argparse.Namespace) -> int:
-    sizes = {role: n for role, n in (("prefill", args.prefill), ("decode", args.decode),
-                                     ("colocated", args.colocated)) if n is not None}
-    if not sizes:
-        raise SystemExit("pdserve: give at least one of --prefill N, --decode N, --colocated N")
-    reply = _control(args.config, {"op": "scale", "sizes": sizes, "drain_timeout_s": args.drain_timeout},
-                     args.drain_timeout * len(sizes) + args.timeout)
-    for change in reply["changes"]:
-        removed = [r["worker_id"] + (f" ({r['cut_off_requests']} requests cut off at the drain timeout)"
-                                     if r["cut_off_requests"] else "") for r in change["removed"]]
-        print(f"pdserve: {change['role']}: {change['size']} workers"
-              + (f"; added {', '.join(change['added'])}" if change["added"] else "")
-              + (f"; drained and removed {', '.join(removed)}" if removed else "")
-              + ("" if change["added"] or removed else " (unchanged)"))
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    """Up, one streamed request, down: the README's first command."""
-    from cluster.lifecycle import Cluster
-    from configs import load_cluster_config
-
-    with Cluster(load_cluster_config(args.config), args.config, say=_say) as cluster:
-        args.address, args.config = cluster.grpc_address, None
-        _say(f"pdserve: sending {args.prompt!r} to the router at {cluster.grpc_address}\n")
-        sys.stdout.write(args.prompt)
-        code = _cmd_generate(args)
-    _say("pdserve: cluster stopped")
-    return code
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    import grpc
-
-    from proto import pdserve_pb2 as pb
-    from proto import pdserve_pb2_grpc
-
-    address = args.address
-    if address is None:
-        from cluster import launcher
-        from configs import load_cluster_config
-
-        if args.config is None:
-            raise SystemExit("pdserve: give --config CONFIG.yaml (of a cluster started with 'pdserve up') or --address")
-        state = launcher.read_state(args.config)
-        cfg = load_cluster_config(args.config)
-        address = state["grpc_address"] if state else f"{cfg.router.host}:{cfg.router.grpc_port}"
-    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, ignore_eos=args.ignore_eos, stop=args.stop or [])
-    if args.seed is not None:
-        sampling.seed = args.seed
-    with grpc.insecure_channel(address) as channel:
-        stub = pdserve_pb2_grpc.GenerationStub(channel)
-        try:
-            for resp in stub.Generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout):
-                sys.stdout.write(resp.text)
-                sys.stdout.flush()
-                last = resp
-        except grpc.RpcError as exc:
-            print(f"\npdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    u = last.usage
-    print(f"\n[{u.completion_tokens} tokens, finish={pb.FinishReason.Name(last.finish_reason)}, "
-          f"prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} cached), TTFT {1000 * u.ttft_s:.1f} ms]",
-          file=sys.stderr)
-    return 0
-
-
-def _bench_plan(args: argparse.Namespace):
-    """The BenchPlan the workload flags describe (shared by `bench` and `bench compare`)."""
-    from loadgen.metrics import SLO
-    from loadgen.runner import BenchPlan
-    from loadgen.workloads import LengthDist, WorkloadSpec
-
-    spec = WorkloadSpec(
-        args.workload, args.num_prompts,
-        LengthDist(args.input_len, args.input_dist, args.input_range_ratio),
-        LengthDist(args.output_len, args.output_dist, args.output_range_ratio),
-        vocab_size=args.vocab_size, seed=args.seed, long_fraction=args.long_fraction, long_factor=args.long_factor,
-        num_prefixes=args.num_prefixes, suffix_len=args.suffix_len)
-    rates = tuple(args.rates) if args.rates else (args.rate,) if args.rate is not None else (float("inf"),)
-    return BenchPlan(spec, rates, args.burstiness, args.max_concurrency, SLO(args.slo_ttft, args.slo_tpot),
-                     args.warmup)
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from loadgen import plot_if_available
-    from loadgen.results import write_result
-    from loadgen.runner import run_bench
-
-    if args.address is None:
-        raise SystemExit("pdserve: bench needs --address (gRPC HOST:PORT, or the HTTP base URL with --backend openai)")
-    plan = _bench_plan(args)
-    label = args.label or args.workload
-    result = run_bench(args.backend, args.address, plan, label, model=args.model, progress=not args.no_progress)
-    out = Path(args.out)
-    paths = [*write_result(result, out)] + ([] if args.no_plots else plot_if_available([result], out, prefix=f"{label}-"))
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if all(r.ok for run in result.runs for r in run.records) else 1
-
-
-def _cmd_bench_plot(args: argparse.Namespace) -> int:
-    from loadgen.results import load_result
-
-    try:
-        from loadgen.plots import plot_results
-    except ImportError:
-        raise SystemExit("pdserve: bench plot needs matplotlib: pip install 'pdserve[plots]'") from None
-
-    results = [load_result(p) for p in args.results]
-    labels = [r.label for r in results]
-    if len(set(labels)) != len(labels):
-        print(f"pdserve: warning: results share labels {labels}; give each run its own --label", file=sys.stderr)
-    paths = plot_results(results, Path(args.out))
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
-
-def _cmd_bench_compare(args: argparse.Namespace) -> int:
-    from cluster.bench_compare import run_compare
-    from cluster.lifecycle import refuse_if_up
-
-    for config in args.configs:  # its ports are taken: refuse before starting anything
-        refuse_if_up(config)
-    results = run_compare([Path(c) for c in args.configs], _bench_plan(args), args.backend, Path(args.out),
-                          timeout_s=args.timeout, progress=not args.no_progress,
-                          say=lambda line: print(line, flush=True))
-    return 0 if all(r.ok for res in results for run in res.runs for r in run.records) else 1
+from cluster import cmd_bench, cmd_cluster, cmd_requests
 
 
 def _sampling_args(parser: argparse.ArgumentParser, served: bool = True) -> None:
@@ -380,23 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(complete, served=False)
     complete.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                           help="auto: bfloat16 where the CPU has native bf16 (or on GPU), else float32")
-    complete.set_defaults(func=_cmd_complete)
+    complete.set_defaults(func=cmd_requests.complete)
 
     up = sub.add_parser("up", help="start a cluster from a YAML config and serve until Ctrl-C")
     up.add_argument("config", help="cluster YAML (see configs/local.yaml)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every worker (default 300)")
-    up.set_defaults(func=_cmd_up)
+    up.set_defaults(func=cmd_cluster.up)
 
     down = sub.add_parser("down", help="stop the cluster that 'pdserve up CONFIG' started")
     down.add_argument("config", help="the same YAML given to 'pdserve up'")
     down.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop (default 60)")
-    down.set_defaults(func=_cmd_down)
+    down.set_defaults(func=cmd_cluster.down)
 
     st = sub.add_parser("status", help="pools and workers of a running cluster: nodes, placement, health, queues, KV")
     st.add_argument("config", help="the YAML given to 'pdserve up'")
     st.add_argument("--json", action="store_true", help="the whole report as JSON")
     st.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer (default 30)")
-    st.set_defaults(func=_cmd_status)
+    st.set_defaults(func=cmd_cluster.status)
     sc = sub.add_parser(
         "scale", help="resize pools of a running cluster",
         description="Resize pools of the cluster 'pdserve up CONFIG' runs. New workers take traffic once healthy; "
@@ -409,20 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--drain-timeout", type=float, default=60.0,
                     help="seconds a removed worker's requests may take to finish (default 60)")
     sc.add_argument("--timeout", type=float, default=300.0, help="seconds new workers may take to start (default 300)")
-    sc.set_defaults(func=_cmd_scale)
+    sc.set_defaults(func=cmd_cluster.scale)
     gen = sub.add_parser("generate", help="send one prompt to a running cluster's router and stream the reply")
     gen.add_argument("prompt", help="prompt text")
     where = gen.add_mutually_exclusive_group()
     where.add_argument("--config", help="YAML of a cluster started with 'pdserve up'")
     where.add_argument("--address", help="router gRPC address HOST:PORT")
     _sampling_args(gen)
-    gen.set_defaults(func=_cmd_generate)
+    gen.set_defaults(func=cmd_requests.generate)
 
     demo = sub.add_parser("demo", help="start a cluster, stream one completion through it, stop it")
     demo.add_argument("config", help="cluster YAML (e.g. configs/local.yaml)")
     demo.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="prompt text")
     _sampling_args(demo)
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=cmd_requests.demo)
 
     b = sub.add_parser(
         "bench", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -440,12 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="--backend openai: model name to request (default: the server's first)")
     b.add_argument("--label", help="names this system/config in the files and on plots (default: the workload)")
     b.add_argument("--no-plots", action="store_true", help="write JSON and CSV only")
-    b.set_defaults(func=_cmd_bench)
+    b.set_defaults(func=cmd_bench.bench)
     bench_sub = b.add_subparsers(dest="bench_command", metavar="{plot,compare}")
     plot = bench_sub.add_parser("plot", help="overlay the plots of saved results (one line per --label)")
     plot.add_argument("results", nargs="+", help="RESULT.json files written by 'pdserve bench'")
     plot.add_argument("--out", default="bench-plots", help="directory for the PNGs (default bench-plots)")
-    plot.set_defaults(func=_cmd_bench_plot)
+    plot.set_defaults(func=cmd_bench.bench_plot)
     compare = bench_sub.add_parser(
         "compare", help="run one workload against several cluster configs in turn and print ratios",
         description="For each CONFIG.yaml in turn: start the cluster (as 'pdserve up'), run the workload at "
@@ -454,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("configs", nargs="+", metavar="CONFIG.yaml", help="cluster configs; the first is the baseline")
     _bench_workload_args(compare, default_out="bench-compare")
     compare.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each cluster (default 300)")
-    compare.set_defaults(func=_cmd_bench_compare)
+    compare.set_defaults(func=cmd_bench.bench_compare)
 
     model = sub.add_parser("model", help="manage checkpoints")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -462,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("name", help="builtin:tiny or builtin:small")
     build.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, tokenizer.json)")
     build.add_argument("--force", action="store_true", help="write into a non-empty directory")
-    build.set_defaults(func=_cmd_model_build)
+    build.set_defaults(func=cmd_requests.model_build)
     return parser
 
 

@@ -105,7 +105,7 @@ class PrefillWorker:
         """Sends the destination pages whose KV is complete; ends the transfer when all are."""
         kv = job.message.kv
         pages, num_tokens = self.engine.computed_kv(request_id)
-        page_size = self.engine.page_manager.page_size
+        page_size = self.engine.config.page_size
         # Full pages only while prefill runs; the last, partial page once it is done.
         ready = -(-num_tokens // page_size) if job.prefill_done else num_tokens // page_size
         ready = min(ready, kv.num_pages) - kv.skip_pages

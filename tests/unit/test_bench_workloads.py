@@ -125,11 +125,12 @@ def test_plan_checks_the_workload_against_its_arrivals():
 
 
 def test_cli_builds_the_plan_and_names_bad_combinations(capsys):
-    from cluster.cli import _bench_plan, build_parser, main
+    from cluster.cli import build_parser, main
+    from cluster.cmd_bench import bench_plan
 
     args = build_parser().parse_args(["bench", "--address", "x:1", "--workload", "sweep", "--rates", "1,2.5",
                                       "--input-dist", "exponential", "--burstiness", "0.5", "--slo-tpot", "0.1"])
-    plan = _bench_plan(args)
+    plan = bench_plan(args)
     assert plan.rates == (1.0, 2.5) and plan.burstiness == 0.5 and plan.slo.tpot_s == 0.1
     assert plan.workload.input_len == LengthDist(128, "exponential")
     assert main(["bench", "--address", "x:1", "--workload", "sweep", "--rate", "2"]) == 2

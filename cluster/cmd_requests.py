@@ -1,0 +1,114 @@
+"""`pdserve complete`, `generate`, `demo` and `model build`: one prompt in-process, to a running
+router, or through a cluster started for it (cluster/lifecycle.py), and writing a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from cluster.cmd_cluster import say
+
+
+def complete(args: argparse.Namespace) -> int:
+    from configs import EngineConfig
+    from engine import LLMEngine, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    prompt_ids = engine.encode(args.prompt)
+    engine.add_request("cli", prompt_ids, params)
+    start = time.perf_counter()
+    first_token_at = None
+    shown = ""
+    sys.stdout.write(args.prompt)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first_token_at = first_token_at or time.perf_counter()
+            # Re-decode the whole output each time: a multi-byte character split across tokens
+            # only becomes printable once its last byte arrives.
+            text = engine.decode(out.token_ids)
+            if not text.endswith("\ufffd"):
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+            if out.finished:
+                sys.stdout.write(text[len(shown):] + "\n")
+                elapsed = time.perf_counter() - start
+                n = len(out.token_ids)
+                print(
+                    f"[{n} tokens, finish={out.finish_reason.value if out.finish_reason else None}, prompt {out.num_prompt_tokens} tokens, "
+                    f"TTFT {1000 * (first_token_at - start):.1f} ms, {n / elapsed:.1f} tok/s]",
+                    file=sys.stderr,
+                )
+    return 0
+
+
+def model_build(args: argparse.Namespace) -> int:
+    from engine.model.builtin import build_builtin, parse_builtin
+
+    name = parse_builtin(args.name)
+    if name is None:
+        raise SystemExit(f"pdserve: {args.name!r} is not a built-in model name (builtin:tiny, builtin:small)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SystemExit(f"pdserve: {args.out} exists and is not a directory")
+    if os.path.exists(args.out) and os.listdir(args.out) and not args.force:
+        raise SystemExit(f"pdserve: {args.out} exists and is not empty (use --force to overwrite)")
+    out = build_builtin(name, args.out)
+    print(f"wrote {args.name} to {out}")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    """Up, one streamed request, down: the README's first command."""
+    from cluster.lifecycle import Cluster
+    from configs import load_cluster_config
+
+    with Cluster(load_cluster_config(args.config), args.config, say=say) as cluster:
+        args.address, args.config = cluster.grpc_address, None
+        say(f"pdserve: sending {args.prompt!r} to the router at {cluster.grpc_address}\n")
+        sys.stdout.write(args.prompt)
+        code = generate(args)
+    say("pdserve: cluster stopped")
+    return code
+
+
+def generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc
+
+    address = args.address
+    if address is None:
+        from cluster import launcher
+        from configs import load_cluster_config
+
+        if args.config is None:
+            raise SystemExit("pdserve: give --config CONFIG.yaml (of a cluster started with 'pdserve up') or --address")
+        state = launcher.read_state(args.config)
+        cfg = load_cluster_config(args.config)
+        address = state["grpc_address"] if state else f"{cfg.router.host}:{cfg.router.grpc_port}"
+    sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                 top_p=args.top_p, ignore_eos=args.ignore_eos, stop=args.stop or [])
+    if args.seed is not None:
+        sampling.seed = args.seed
+    with grpc.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        try:
+            for resp in stub.Generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                last = resp
+        except grpc.RpcError as exc:
+            print(f"\npdserve: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    u = last.usage
+    print(f"\n[{u.completion_tokens} tokens, finish={pb.FinishReason.Name(last.finish_reason)}, "
+          f"prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} cached), TTFT {1000 * u.ttft_s:.1f} ms]",
+          file=sys.stderr)
+    return 0
