@@ -41,7 +41,8 @@ def complete(args: argparse.Namespace) -> int:
                 elapsed = time.perf_counter() - start
                 n = len(out.token_ids)
                 print(
-                    f"[{n} tokens, finish={out.finish_reason.value if out.finish_reason else None}, prompt {out.num_prompt_tokens} tokens, "
+                    f"[{n} tokens, finish={out.finish_reason.value if out.finish_reason else None}, "
+                    f"prompt {out.num_prompt_tokens} tokens, "
                     f"TTFT {1000 * (first_token_at - start):.1f} ms, {n / elapsed:.1f} tok/s]",
                     file=sys.stderr,
                 )

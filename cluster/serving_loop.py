@@ -20,6 +20,7 @@ import zmq
 from proto import worker_messages as wm
 
 log = logging.getLogger(__name__)
+MAX_COMMAND_BYTES = 16 << 20  # the largest command: a prompt of up to 1M token ids is ~9 MiB
 
 
 class WorkerRole(Protocol):
@@ -59,6 +60,7 @@ def serve(
     """Runs until `stop` is set. `command_address` is host:port to bind."""
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES)  # a larger one drops its connection
     sock.bind(f"tcp://{command_address}")
     # Heartbeats come from a thread of their own (with its own socket: ZMQ sockets are
     # thread-confined), so one long step (a 2k-token prefill can take seconds on a CPU) never
@@ -79,8 +81,10 @@ def serve(
                         break
                     try:
                         role.handle(wm.decode(data))
-                    except ValueError as exc:
-                        log.warning("dropped a bad command on %s: %s", command_address, exc)
+                    except ValueError as exc:  # malformed, or a message this role does not take
+                        log.warning("dropped a bad command on %s: %s", command_address, str(exc)[:200])
+                    except Exception as exc:  # noqa: BLE001 - one command never ends the loop
+                        log.error("command on %s failed: %s: %s", command_address, type(exc).__name__, exc)
             busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
     except BaseException:

@@ -17,6 +17,8 @@ A colocated worker takes Generate(R, prompt, sampling) and answers with Tokens.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -143,7 +145,6 @@ MESSAGE_TYPES = {cls.__name__: cls for cls in (
     ReserveKV, Reserved, ReserveRejected, Prefill, FirstToken, TransferEnded,
     Generate, Tokens, Abort, Failed, Load,
 )}
-_NESTED = {"sampling": Sampling, "kv": KVDestination}
 
 
 def encode(message: Any) -> bytes:
@@ -156,22 +157,81 @@ def encode(message: Any) -> bytes:
 def decode(data: bytes) -> Any:
     try:
         raw = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.UnpackException) as exc:
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
         raise ValueError(f"not msgpack: {exc}") from None
     return _from_raw(raw)
+
+
+# Bounds every decoded message is held to: a peer cannot make the receiver allocate or log
+# without limit, and a NaN or a bool never passes for a number.
+MAX_ID_CHARS = 256  # request and worker ids
+MAX_TEXT_CHARS = 4096  # reasons, addresses, finish reasons
+MAX_ITEMS = 1 << 20  # token ids (or log-probabilities) in one message
+MAX_INT = (1 << 63) - 1
+
+
+def _int(name: str, value: Any) -> int:
+    if type(value) is not int or not -MAX_INT <= value <= MAX_INT:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _float(name: str, value: Any) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if type(value) is not bool:
+        raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _str(name: str, value: Any) -> str:
+    limit = MAX_ID_CHARS if name.endswith("_id") else MAX_TEXT_CHARS
+    if type(value) is not str or len(value) > limit:
+        raise ValueError(f"{name} must be a string of at most {limit} characters")
+    return value
+
+
+def _items(check: Callable[[str, Any], Any]) -> Callable[[str, Any], tuple]:
+    def items(name: str, value: Any) -> tuple:
+        if type(value) not in (list, tuple) or len(value) > MAX_ITEMS:
+            raise ValueError(f"{name} must be a list of at most {MAX_ITEMS} items")
+        return tuple(check(name, v) for v in value)
+
+    return items
+
+
+def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def _nested(cls: type) -> Callable[[str, Any], Any]:
+    return lambda name, value: _build(cls, value, name)
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "int": _int, "float": _float, "bool": _bool, "str": _str,
+    "int | None": _optional(_int), "float | None": _optional(_float), "str | None": _optional(_str),
+    "tuple[int, ...]": _items(_int), "tuple[float, ...]": _items(_float),
+    "Sampling": _nested(Sampling), "KVDestination": _nested(KVDestination),
+}
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """`cls` from a decoded map, every field checked against its declared type and bounds."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a map, got {type(raw).__name__}")
+    names = {f.name for f in fields(cls)}
+    if set(raw) != names:
+        raise ValueError(f"{cls.__name__} fields {sorted(map(str, raw))[:20]} != {sorted(names)}")
+    return cls(**{f.name: _CHECKS[str(f.type)](f.name, raw[f.name]) for f in fields(cls)})
 
 
 def _from_raw(raw: Any) -> Any:
     if not isinstance(raw, dict) or raw.get("type") not in MESSAGE_TYPES:
         raise ValueError(f"not a worker message: {str(raw)[:80]}")
     cls = MESSAGE_TYPES[raw.pop("type")]
-    names = {f.name for f in fields(cls)}
-    if set(raw) != names:
-        raise ValueError(f"{cls.__name__} fields {sorted(raw)} != {sorted(names)}")
-    try:
-        for key, nested in _NESTED.items():
-            if key in raw:
-                raw[key] = nested(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw[key].items()})
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-    except (TypeError, AttributeError) as exc:  # a nested message that is not a map, or has other keys
-        raise ValueError(f"malformed {cls.__name__}: {exc}") from None
+    return _build(cls, raw, cls.__name__)

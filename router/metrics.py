@@ -43,6 +43,8 @@ class RouterMetrics:
                                          registry=r)
         self.cached_prompt_tokens = Counter("pdserve_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
                                             registry=r)
+        self.rejected_messages = Counter("pdserve_rejected_messages", "Internal messages dropped, by socket and reason",
+                                         ["socket", "reason"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.queue_time = Histogram("pdserve_router_queue_time_seconds",
                                     "Admission to dispatch (prefill or colocated worker chosen and sent)",

@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -24,6 +26,7 @@ from proto import worker_messages as wm
 from router.policy import WorkerLoad
 
 log = logging.getLogger(__name__)
+MAX_EVENT_BYTES = 16 << 20  # the largest event: a Tokens message with up to 1M token ids is ~9 MiB
 
 
 @dataclass(frozen=True)
@@ -46,13 +49,18 @@ class _Worker:
 
 
 class WorkerPool:
-    def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, heartbeat_timeout_s: float = 3.0) -> None:
+    def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, heartbeat_timeout_s: float = 3.0,
+                 on_reject: Callable[[str], None] = lambda reason: None) -> None:
+        """`on_reject(reason)`: a dropped event was counted (the router's metrics)."""
         self._ctx = zmq.asyncio.Context.instance()
+        self.rejected: dict[str, int] = {}  # dropped events by reason
+        self.on_reject = on_reject
         self._workers: dict[str, _Worker] = {}
         for e in endpoints:
             self.add(e)
         self._events = self._ctx.socket(zmq.PULL)
         self._events.setsockopt(zmq.LINGER, 0)
+        self._events.setsockopt(zmq.MAXMSGSIZE, MAX_EVENT_BYTES)  # a larger one drops its connection
         self._events.bind(f"tcp://{event_address}")
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._waiters: dict[str, asyncio.Queue] = {}
@@ -163,18 +171,28 @@ class WorkerPool:
         self._waiters.pop(request_id, None)
 
     async def _pump_events(self) -> None:
+        """Every worker event to where it belongs. One bad event is dropped and counted; nothing
+        a peer sends ends this task (which would leave every worker looking dead)."""
         while True:
             data = await self._events.recv()
             try:
-                msg = wm.decode(data)
+                self._dispatch(wm.decode(data))
             except ValueError as exc:
-                log.warning("dropped a bad worker event: %s", exc)
-                continue
-            if isinstance(msg, wm.Load):
-                worker = self._workers.get(msg.worker_id)
-                if worker is not None:  # a worker not (or no longer) in the pool is not routed to
-                    worker.load, worker.last_seen = msg, time.monotonic()
-                continue
-            queue = self._waiters.get(msg.request_id)
-            if queue is not None:
-                queue.put_nowait(msg)
+                self._reject("malformed", exc)
+            except Exception as exc:  # noqa: BLE001 - the pump outlives any one event
+                self._reject("error", exc)
+
+    def _reject(self, reason: str, exc: Exception) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+        log.warning("dropped a worker event (%s): %s", reason, str(exc)[:200])
+        self.on_reject(reason)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, wm.Load):
+            worker = self._workers.get(msg.worker_id)
+            if worker is not None:  # a worker not (or no longer) in the pool is not routed to
+                worker.load, worker.last_seen = msg, time.monotonic()
+            return
+        queue = self._waiters.get(msg.request_id)
+        if queue is not None:
+            queue.put_nowait(msg)

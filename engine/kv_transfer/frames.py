@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 
 
@@ -32,6 +33,27 @@ class Frame:
 
     header: dict[str, Any]
     payload: memoryview | bytes = b""
+
+
+MAX_HEADER_BYTES = 4096  # a page frame's header is ~150 bytes
+FRAME_KINDS = ("pages", "done", "abort")
+
+
+def parse_header(data: bytes) -> dict[str, Any]:
+    """A received frame's header: a msgpack map with a known `kind` and a string `request_id`;
+    ValueError for anything else (the transport drops and counts it, the receiver never sees it)."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise ValueError(f"frame header of {len(data)} bytes (at most {MAX_HEADER_BYTES})")
+    try:
+        header = msgpack.unpackb(data, raw=False)
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as exc:
+        raise ValueError(f"frame header is not msgpack: {exc}") from None
+    if not isinstance(header, dict) or header.get("kind") not in FRAME_KINDS:
+        raise ValueError(f"not a KV frame header: {str(header)[:80]}")
+    request_id = header.get("request_id")
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
+        raise ValueError("KV frame without a request id of 1-256 characters")
+    return header
 
 
 def pages_frame(request_id: str, first_page: int, data: torch.Tensor, checksum: bool) -> Frame:

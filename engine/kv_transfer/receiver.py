@@ -11,6 +11,7 @@ deletion.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 import zlib
@@ -79,7 +80,7 @@ class KVReceiver:
                 self._end(request_id, TransferState.ABORTED, str(frame.header.get("reason", "")))
             else:
                 raise ValueError(f"unknown frame kind {kind!r}")
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RuntimeError) as exc:  # this transfer fails, nothing else
             self._end(request_id, TransferState.FAILED, str(exc))
 
     def collect(self) -> list[TransferResult]:
@@ -96,12 +97,19 @@ class KVReceiver:
 
     def _write_pages(self, entry: _Incoming, frame: Frame) -> None:
         h = frame.header
-        first, num = int(h["first_page"]), int(h["num_pages"])
+        first, num = h.get("first_page"), h.get("num_pages")
+        if type(first) is not int or type(num) is not int or num < 1:
+            raise ValueError("a page frame needs int first_page and num_pages >= 1")
         if first < 0 or first + num > len(entry.page_ids):
             raise ValueError(f"pages [{first}, {first + num}) outside the {len(entry.page_ids)} reserved")
         if "crc32" in h and zlib.crc32(frame.payload) != h["crc32"]:
             raise ValueError(f"checksum mismatch in pages [{first}, {first + num})")
-        dtype = getattr(torch, h["dtype"])
+        # The frame must be exactly what this cache holds for `num` pages: dtype, shape and size.
+        dtype, shape = self.kv_cache.dtype, self.kv_cache.pages_shape(num)
+        if h.get("dtype") != str(dtype).removeprefix("torch.") or h.get("shape") != list(shape):
+            raise ValueError(f"pages of {h.get('dtype')} {h.get('shape')}, this cache holds {dtype} {list(shape)}")
+        if len(frame.payload) != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"page payload of {len(frame.payload)} bytes for shape {list(shape)}")
         # The payload is only read (copied into the cache), so a read-only buffer is fine.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)

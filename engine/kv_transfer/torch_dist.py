@@ -19,7 +19,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer.frames import Frame
+from engine.kv_transfer.frames import Frame, parse_header
 from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,10 @@ class DistFrameReceiver(BaseFrameReceiver):
                     data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
                     dist.recv(data, src)
                     payload = data.cpu().numpy().data.cast("B")
-                self._frames.put(Frame(msgpack.unpackb(header.cpu().numpy().tobytes(), raw=False), payload))
+                try:
+                    self._frames.put(Frame(parse_header(header.cpu().numpy().tobytes()), payload))
+                except ValueError as exc:  # one bad frame is dropped, never the receiver
+                    log.warning("dropped a bad KV frame from rank %s: %s", src, exc)
         except RuntimeError as exc:  # the group was torn down: the worker is stopping
             log.info("KV receiver stopped: %s", exc)
 

@@ -6,14 +6,19 @@ alive until the tracker says ZMQ is done with them). Nothing is pickled.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import msgpack
 import zmq
 
-from engine.kv_transfer.frames import Frame
+from engine.kv_transfer.frames import Frame, parse_header
 from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
+
+log = logging.getLogger(__name__)
+# The largest frame a decode worker takes: 8 pages of a 70B-class model are ~40 MiB.
+MAX_FRAME_BYTES = 256 << 20
 
 
 class ZmqFrameReceiver(BaseFrameReceiver):
@@ -22,6 +27,8 @@ class ZmqFrameReceiver(BaseFrameReceiver):
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)  # a larger one drops its connection
+        self.num_rejected = 0  # frames dropped for a malformed header
         if port == 0:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
         else:
@@ -38,7 +45,12 @@ class ZmqFrameReceiver(BaseFrameReceiver):
                 parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return frames
-            header = msgpack.unpackb(parts[0].bytes, raw=False)
+            try:
+                header = parse_header(parts[0].bytes)
+            except ValueError as exc:  # one bad frame is dropped, never the receiver
+                self.num_rejected += 1
+                log.warning("dropped a bad KV frame on %s: %s", self.address, exc)
+                continue
             payload = parts[1].buffer if len(parts) > 1 else b""
             frames.append(Frame(header, payload))
 

@@ -4,6 +4,8 @@ another exception and ending a worker's loop."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 
@@ -30,9 +32,23 @@ def packed(**raw) -> bytes:
     (b"\xc1", "not msgpack"),
     (packed(type="Nope"), "not a worker message"),
     (packed(type="Abort"), "fields"),
-    (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling=5), "malformed ReserveKV"),
+    (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling=5), "sampling must be a map"),
     (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling={"bogus": 1}),
-     "malformed ReserveKV"),
+     "Sampling fields"),
+    (packed(type="Abort", request_id={}), "request_id must be a string"),
+    (packed(type="Abort", request_id="x" * 257), "at most 256 characters"),
+    (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1, "2"], lease_s=1.0, sampling={}), "must be an int"),
+    (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=float("nan"),
+            sampling=dataclasses.asdict(SAMPLING)), "lease_s must be a finite number"),
+    (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=float("inf"),
+            sampling=dataclasses.asdict(SAMPLING)), "lease_s must be a finite number"),
+    (packed(type="Tokens", request_id="r", worker_id="d0", token_ids=[True], logprobs=[], finished=False,
+            finish_reason=None, num_cached_prompt_tokens=0), "token_ids must be an int"),
+    (packed(type="Tokens", request_id="r", worker_id="d0", token_ids=[1], logprobs=[], finished=1,
+            finish_reason=None, num_cached_prompt_tokens=0), "finished must be a bool"),
+    (packed(type="Load", worker_id="d0", role="decode", queued_tokens=2**64 - 1, free_pages=1, running=0,
+            incarnation=""), "queued_tokens must be an int"),
+    (b"\x81\x91\x01\x02", "not msgpack"),  # a map whose key is a list
 ])
 def test_malformed_messages_raise_value_error(data, reason):
     with pytest.raises(ValueError, match=reason):
