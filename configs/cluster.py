@@ -40,6 +40,13 @@ class RouterConfig(_Strict):
     # fewer than this many prompt tokens sent to it and not yet prefilled, so decode reservations'
     # leases only cover a short prefill queue (router/prefill_gate.py).
     max_prefill_queue_tokens: int = Field(8192, ge=1, description="prompt tokens queued on one prefill worker at most")
+    # Request limits, each answered with INVALID_ARGUMENT naming the limit before any work.
+    max_prompt_bytes: int = Field(1 << 20, ge=1, description="prompt text, in UTF-8 bytes, before tokenizing")
+    max_stop_strings: int = Field(16, ge=0, description="stop strings per request")
+    max_stop_string_chars: int = Field(256, ge=1, description="characters of one stop string")
+    max_stop_token_ids: int = Field(64, ge=0, description="stop token ids per request")
+    max_request_id_chars: int = Field(128, ge=1, description="a client request id: printable ASCII, no spaces")
+    max_timeout_s: float = Field(3600.0, gt=0, description="the longest timeout_s a request may ask for")
     control_port: int = Field(52001, ge=1, le=65535,
                               description="the `up` process answers `pdserve status` / `pdserve scale` here")
 

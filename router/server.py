@@ -32,14 +32,17 @@ from router.prefill_gate import PrefillGate
 from router.slo import SloTargets
 from router.spec import RouterSpec
 from router.tokenizer import RouterTokenizer
-from router.validation import deserialize_request, validate
+from router.validation import RequestLimits, check_request_id, deserialize_request, validate
 from router.worker_pool import WorkerEndpoint, WorkerPool
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# A request is at most a 1 MiB prompt (router.max_prompt_bytes) or ~1M token ids plus its
+# settings; gRPC refuses anything larger (RESOURCE_EXHAUSTED) before a byte of it is parsed.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
 
 
 class Router:
@@ -64,6 +67,8 @@ class Router:
         self.default_timeout_s = spec.default_timeout_s
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.num_in_flight = 0
+        self.limits = RequestLimits.of(cfg)
+        self._live_ids: set[str] = set()  # request ids in flight: a second one is ALREADY_EXISTS
         self.metrics = RouterMetrics(SloTargets.from_ms(cfg.slo_ttft_ms, cfg.slo_tpot_ms), cfg.slo_window_s)
         self.log = EventLog("router")
         self.pool: WorkerPool | None = None
@@ -159,16 +164,25 @@ class Router:
         request id (the client's, or a fresh one) names it in every log line on every process."""
         # getattr: a request protobuf could not parse arrives as a placeholder without fields.
         rid = getattr(request, "request_id", "") or uuid.uuid4().hex
+        try:
+            check_request_id(rid, self.limits)
+        except RouterError:
+            rid = uuid.uuid4().hex  # what names the failure in the logs; validate() answers the client
         self.log.event("received", rid)
         try:
+            # Off the event loop: tokenizing a long prompt must not stall every other stream.
+            journey = replace(await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len,
+                                                      self.default_timeout_s, None, self.limits), request_id=rid)
+            # Checked after the await, with nothing between them and the admission below.
             if self.num_in_flight >= self.max_queued_requests:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.num_in_flight} requests in flight: "
                                   f"over the bound of {self.max_queued_requests}")
-            journey = replace(validate(request, self.tokenizer, self.max_model_len, self.default_timeout_s),
-                              request_id=rid)
+            if rid in self._live_ids:  # its events and aborts would be mixed up with the live one's
+                raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         except RouterError as exc:
             self._failed(rid, exc.code, str(exc), admitted=False)
             raise
+        self._live_ids.add(rid)
         if time_remaining_s is not None:  # the client's own deadline, if sooner
             journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + time_remaining_s))
         self.num_in_flight += 1
@@ -209,6 +223,7 @@ class Router:
             self._failed(rid, grpc.StatusCode.CANCELLED, "cancelled by the client", admitted=True)
             raise
         finally:
+            self._live_ids.discard(rid)
             self.num_in_flight -= 1
             self.metrics.in_flight.dec()
 

@@ -7,13 +7,16 @@ worker never sees a request it must reject for its shape.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
+from dataclasses import dataclass, fields
 
 import grpc
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from configs.cluster import RouterConfig
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from router.journey_state import Journey, RouterError
@@ -39,10 +42,31 @@ def deserialize_request(data: bytes) -> pb.GenerateRequest | UndecodableRequest:
         return UndecodableRequest(str(exc))
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """The router's bounds on one request (router.max_* in the YAML): checked before any work,
+    so no request costs more than they allow (a prompt is measured before it is tokenized)."""
+
+    max_prompt_bytes: int = 1 << 20
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_request_id_chars: int = 128
+    max_timeout_s: float = 3600.0
+
+    @classmethod
+    def of(cls, router: RouterConfig) -> RequestLimits:
+        return cls(**{f.name: getattr(router, f.name) for f in fields(cls)})
+
+
+REQUEST_ID = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces: safe in logs and messages
+
+
 def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: RouterTokenizer, max_model_len: int,
-             default_timeout_s: float, now: float | None = None) -> Journey:
+             default_timeout_s: float, now: float | None = None, limits: RequestLimits = RequestLimits()) -> Journey:
     if isinstance(request, UndecodableRequest):
         raise _invalid(f"the request is not a valid GenerateRequest ({request.reason}; strings must be UTF-8)")
+    check_request_id(request.request_id, limits)
     for name, message in (("request", request), ("sampling", request.sampling), ("token_ids", request.token_ids)):
         unknown = sorted({field.field_number for field in UnknownFieldSet(message)})
         if unknown:
@@ -53,6 +77,8 @@ def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: Router
     if kind == "text":
         if not request.text:
             raise _invalid("prompt text is empty")
+        if len(request.text) > limits.max_prompt_bytes or len(request.text.encode()) > limits.max_prompt_bytes:
+            raise _invalid(f"prompt text is over router.max_prompt_bytes ({limits.max_prompt_bytes} bytes)")
         ids = tokenizer.encode(request.text)
     else:
         ids = list(request.token_ids.ids)
@@ -73,13 +99,21 @@ def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: Router
     top_p = s.top_p if s.HasField("top_p") else 1.0
     if not math.isfinite(top_p) or not 0 < top_p <= 1:
         raise _invalid(f"sampling.top_p must be in (0, 1], got {top_p}")
+    if len(s.stop_token_ids) > limits.max_stop_token_ids:
+        raise _invalid(f"{len(s.stop_token_ids)} stop token ids: over router.max_stop_token_ids "
+                       f"({limits.max_stop_token_ids})")
+    if len(s.stop) > limits.max_stop_strings:
+        raise _invalid(f"{len(s.stop)} stop strings: over router.max_stop_strings ({limits.max_stop_strings})")
+    if any(len(stop) > limits.max_stop_string_chars for stop in s.stop):
+        raise _invalid(f"a stop string is over router.max_stop_string_chars ({limits.max_stop_string_chars})")
     bad_stops = [t for t in s.stop_token_ids if t >= tokenizer.vocab_size]
     if bad_stops:
         raise _invalid(f"sampling.stop_token_ids outside the vocabulary: {bad_stops[:5]}")
     if any(not stop for stop in s.stop):
         raise _invalid("sampling.stop strings must be non-empty")
-    if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
-        raise _invalid(f"timeout_s must be >= 0, got {request.timeout_s}")
+    if not math.isfinite(request.timeout_s) or not 0 <= request.timeout_s <= limits.max_timeout_s:
+        raise _invalid(f"timeout_s must be in [0, {limits.max_timeout_s:g}] (router.max_timeout_s), "
+                       f"got {request.timeout_s}")
     sampling = wm.Sampling(
         max_tokens=min(max_tokens, max_model_len - len(ids)), temperature=float(temperature),
         top_k=s.top_k if s.HasField("top_k") else 0, top_p=float(top_p),
@@ -89,3 +123,11 @@ def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: Router
     timeout = request.timeout_s or default_timeout_s
     start = time.monotonic() if now is None else now
     return Journey(request.request_id or uuid.uuid4().hex, tuple(ids), sampling, tuple(s.stop), start + timeout)
+
+
+def check_request_id(request_id: str, limits: RequestLimits) -> None:
+    """A client's request id (empty: the router makes one) names the request in every process's
+    logs and messages: bounded, printable, no spaces or control characters."""
+    if request_id and (len(request_id) > limits.max_request_id_chars or not REQUEST_ID.fullmatch(request_id)):
+        raise _invalid(f"request_id must be 1-{limits.max_request_id_chars} printable ASCII characters without "
+                       "spaces (router.max_request_id_chars)")

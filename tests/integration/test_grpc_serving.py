@@ -88,7 +88,15 @@ def test_text_prompt_and_stop_string(cluster, hf_tiny):
         (request("x", temperature=float("nan")), "temperature must be a finite number"),
         (request("x", top_p=1.5), r"top_p must be in \(0, 1\]"),
         (request("x", stop=[""]), "stop strings must be non-empty"),
-        (pb.GenerateRequest(text="x", timeout_s=-1), "timeout_s must be >= 0"),
+        (pb.GenerateRequest(text="x", timeout_s=-1), r"timeout_s must be in \[0, 3600\]"),
+        (pb.GenerateRequest(text="x", timeout_s=1e9), r"router.max_timeout_s"),
+        (request("x", stop=["s"] * 17), r"17 stop strings: over router.max_stop_strings \(16\)"),
+        (request("x", stop=["s" * 257]), r"router.max_stop_string_chars \(256\)"),
+        (request("x", stop_token_ids=[1] * 65), r"65 stop token ids: over router.max_stop_token_ids \(64\)"),
+        (pb.GenerateRequest(text="x" * (1 << 20 | 1)), r"router.max_prompt_bytes \(1048576 bytes\)"),
+        (pb.GenerateRequest(text="é" * (1 << 19 | 1)), r"router.max_prompt_bytes"),  # counted in UTF-8 bytes
+        (pb.GenerateRequest(request_id="a\nb", text="x"), "request_id must be 1-128 printable ASCII"),
+        (pb.GenerateRequest(request_id="r" * 129, text="x"), "request_id must be 1-128 printable ASCII"),
     ],
 )
 def test_malformed_input_is_invalid_argument(cluster, req, message):
@@ -230,3 +238,19 @@ def test_a_burst_queued_for_prefill_outlives_no_lease(tiny_dir):
             c.wait_pages_free()
         finally:
             c.close()
+
+
+def test_a_request_id_already_in_flight_is_already_exists(cluster):
+    """Two live requests under one id would share worker state and events: the second is refused."""
+    slow = pb.GenerateRequest(request_id="same-id", token_ids=pb.TokenIds(ids=[0, 5, 6]),
+                              sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+    first = cluster.stub.Generate(slow, timeout=60)
+    assert next(first).token_ids  # streaming: the first is in flight
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.stub.GenerateUnary(pb.GenerateRequest(request_id="same-id", text="x"), timeout=30)
+    assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS and "same-id" in info.value.details()
+    assert sum(len(r.token_ids) for r in first) + 1 == 200  # the first one is untouched
+    again = cluster.stub.GenerateUnary(pb.GenerateRequest(request_id="same-id", token_ids=pb.TokenIds(ids=[0, 5]),
+                                                          sampling=pb.SamplingParams(max_tokens=2)), timeout=30)
+    assert again.usage.completion_tokens == 2  # ended ids are free again
+    cluster.wait_pages_free()
