@@ -38,6 +38,10 @@ class WorkerSpec:
     dist_world_size: int | None = None
     dist_store_address: str | None = None
     shard_store_address: str | None = None  # TP x PP > 1: the store its follower ranks join
+    # What the router may ask for: a larger lease or transfer deadline in a message is cut to these
+    # (kv_transfer.reservation_lease_s / timeout_s), so no peer can hold pages indefinitely.
+    max_lease_s: float = 30.0
+    max_transfer_s: float = 30.0
     metrics_port: int | None = None  # serve /metrics here; None = no metrics
     peak_tflops: float | None = None  # what MFU / MBU are measured against (None = measured at start)
     peak_memory_bandwidth_gbps: float | None = None
@@ -81,6 +85,7 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
         kv_port=pool.kv_base_port + index if role == "decode" and pool.kv_base_port is not None else None,
         kv_transport=kv.transport, kv_checksum=kv.checksum,
         dist_rank=rank, dist_world_size=world_size, dist_store_address=store,
+        max_lease_s=kv.reservation_lease_s, max_transfer_s=kv.timeout_s,
         shard_store_address=None,  # placed groups learn their store's node first (worker_launch.py)
         metrics_port=pool.metrics_base_port + index if pool.metrics_base_port is not None else None,
         peak_tflops=pool.peak_tflops, peak_memory_bandwidth_gbps=pool.peak_memory_bandwidth_gbps)

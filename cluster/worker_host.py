@@ -153,7 +153,7 @@ class WorkerHost:
                 receiver = ZmqFrameReceiver(spec.host, spec.kv_port)
                 closers.append(receiver.close)
             return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
-                                transfer_observer=observe_transfer)
+                                transfer_observer=observe_transfer, max_lease_s=spec.max_lease_s)
         senders: dict[str, KVSender] = {}
 
         def open_sender(address: str) -> KVSender:
@@ -166,7 +166,7 @@ class WorkerHost:
                 senders[address] = KVSender(frames, checksum=spec.kv_checksum, observer=observe_transfer)
             return senders[address]
 
-        return PrefillWorker(self.worker_id, self.engine, open_sender, emit)
+        return PrefillWorker(self.worker_id, self.engine, open_sender, emit, max_transfer_s=spec.max_transfer_s)
 
     def _load(self, role):
         engine, worker_id, name, incarnation = self.engine, self.worker_id, self.role, self.incarnation

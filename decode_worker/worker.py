@@ -49,13 +49,16 @@ class DecodeWorker:
         emit: Callable[[object], None],
         clock: Callable[[], float] = time.monotonic,
         transfer_observer: TransferObserver | None = None,
+        max_lease_s: float = 30.0,
     ) -> None:
+        """`max_lease_s`: the longest a reservation waits for its KV, whatever a ReserveKV asks."""
         self.worker_id = worker_id
         self.engine = engine
         self.kv_transport = kv_transport
         self.kv_address = kv_address
         self.emit = emit
         self.clock = clock
+        self.max_lease_s = max_lease_s
         self.receiver = KVReceiver(engine.kv_cache, clock, transfer_observer)
         self.log = EventLog("decode", worker_id)
         # One record per request between ReserveKV and joining: its prompt and sampling settings.
@@ -111,7 +114,8 @@ class DecodeWorker:
             return
         self.log.event("reserved", message.request_id, pages=len(res.page_ids), cached_pages=res.num_cached_pages)
         self._reserved[message.request_id] = message
-        self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), message.lease_s)
+        lease_s = min(message.lease_s, self.max_lease_s)  # pages are never held longer than configured
+        self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), lease_s)
         self.emit(Reserved(message.request_id, self.worker_id, self.kv_address, len(res.page_ids),
                            res.num_cached_pages))
 

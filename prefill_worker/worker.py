@@ -39,8 +39,12 @@ class PrefillWorker:
         open_sender: Callable[[str], KVSender],
         emit: Callable[[object], None],
         pages_per_frame: int = 8,
+        max_transfer_s: float = 30.0,
     ) -> None:
+        """`max_transfer_s`: the longest a KV transfer (and the KV it holds here) may last,
+        whatever a Prefill asks."""
         self.worker_id = worker_id
+        self.max_transfer_s = max_transfer_s
         self.engine = engine
         self.open_sender = open_sender  # address -> KVSender (the runner caches connections)
         self.emit = emit
@@ -98,7 +102,7 @@ class PrefillWorker:
         self.log.event("admitted", message.request_id, prompt_tokens=len(message.prompt_token_ids),
                        decode=message.kv.address, pages_to_send=message.kv.num_pages - message.kv.skip_pages)
         sender = self.open_sender(message.kv.address)
-        sender.begin(message.request_id, message.kv.timeout_s)
+        sender.begin(message.request_id, min(message.kv.timeout_s, self.max_transfer_s))
         self._jobs[message.request_id] = _Job(message, sender)
 
     def _ship(self, request_id: str, job: _Job) -> None:

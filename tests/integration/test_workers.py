@@ -174,3 +174,17 @@ def test_abort_while_reserved_and_lapsed_lease_and_full_pool():
     assert router.rejected == {"waits"}
     router.run(lambda: "fits" in router.finished)
     router.assert_clean()
+
+
+def test_a_lease_longer_than_configured_is_cut_to_it():
+    """A ReserveKV asking to hold pages for 1e300 s holds them for max_lease_s: no peer can pin a
+    decode worker's cache by asking."""
+    router = MiniRouter()
+    router.decode.max_lease_s = 0.05
+    router.decode.handle(m.ReserveKV("greedy", tuple(range(3, 20)), 1e300, GREEDY))
+    assert isinstance(router.to_router.pop(), m.Reserved)
+    time.sleep(0.1)
+    router.decode.step()
+    [failed] = router.to_router
+    assert failed.request_id == "greedy" and failed.stage == "transfer" and "expired" in failed.reason
+    router.assert_clean()

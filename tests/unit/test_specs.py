@@ -55,6 +55,8 @@ def test_router_spec_carries_the_yaml_router_section_and_kv_deadlines(tiny_dir):
     assert (spec.router.slo_ttft_ms, spec.router.max_attempts) == (250.0, 5)
     assert (spec.kv_timeout_s, spec.lease_s, spec.event_address) == (7.0, 9.0, "10.0.0.5:53000")
     assert spec.mode == "disaggregated" and spec.model_name == "builtin:tiny"
+    decode = worker_spec(config, "decode", 0, "127.0.0.1", "127.0.0.1")
+    assert (decode.max_lease_s, decode.max_transfer_s) == (9.0, 7.0)  # what a ReserveKV / Prefill is cut to
 
 
 def test_worker_specs_take_their_index_ports_and_the_pool_engine():
