@@ -11,6 +11,7 @@ with DEFAULT_CHAT_TEMPLATE when it has none.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -65,7 +66,9 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._runner = web.AppRunner(self.app)
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the
+        # request's journey and aborts it on every worker (streaming or not).
+        self._runner = web.AppRunner(self.app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -101,11 +104,19 @@ class OpenAIServer:
             grpc_request = self._to_grpc(body, chat)
         except (BadRequest, json.JSONDecodeError, ValueError, TypeError) as exc:
             return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
+        except RecursionError:
+            return error_response(400, "the request body is nested too deeply", "invalid_request_error")
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         grpc_request.request_id = rid  # the same id in the response and in every process's logs
         created = int(time.time())
         stream = bool(body.get("stream"))
-        responses = self.router.run(grpc_request)
+        # aclosing: however this handler ends (done, error, the client gone), the journey is closed
+        # now, which aborts the request on every worker and frees its pages.
+        async with contextlib.aclosing(self.router.run(grpc_request)) as responses:
+            return await self._respond(request, responses, rid, created, chat, stream)
+
+    async def _respond(self, request: web.Request, responses, rid: str, created: int, chat: bool,
+                       stream: bool) -> web.StreamResponse:
         try:
             first = await anext(responses)  # errors before anything was sent become HTTP errors
         except RouterError as exc:
@@ -113,9 +124,13 @@ class OpenAIServer:
             return error_response(status, str(exc), kind)
         if not stream:
             text, last = [first.text], first
-            async for r in responses:
-                text.append(r.text)
-                last = r
+            try:
+                async for r in responses:
+                    text.append(r.text)
+                    last = r
+            except RouterError as exc:  # after the first token: still an OpenAI-shaped error
+                status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+                return error_response(status, str(exc), kind)
             return web.json_response(self._body(rid, created, chat, "".join(text), FINISH.get(last.finish_reason),
                                                 last.usage, final=True, stream=False))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

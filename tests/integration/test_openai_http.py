@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -107,6 +109,38 @@ def test_malformed_json_is_400(served):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=10)
     assert info.value.code == 400 and "error" in json.loads(info.value.read())
+
+
+def test_deeply_nested_json_is_400_not_500(served):
+    _, _, port = served
+    body = b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=10)
+    assert info.value.code == 400 and "nested too deeply" in json.loads(info.value.read())["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_disconnects_aborts_its_request(served, stream):
+    """Streaming or not, a client gone mid-generation frees the request everywhere within a
+    second; it is not generated to the end."""
+    cluster, _, port = served
+    body = json.dumps({"model": MODEL, "prompt": [0, 5, 6], "max_tokens": 2000, "ignore_eos": True,
+                       "stream": stream}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 10
+        while cluster.router.num_in_flight == 0:  # admitted and generating
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+    gone = time.monotonic()
+    while cluster.router.num_in_flight:
+        assert time.monotonic() - gone < 1.0, "the request outlived its client"
+        time.sleep(0.01)
+    cluster.wait_pages_free(timeout_s=1.0)
 
 
 def test_metrics_after_traffic(served):
