@@ -88,7 +88,8 @@ class Attempt:
                 self._release_gate()  # prefilled: the next prompt in the router's queue may go
                 if self.first:
                     self.stream.num_cached = msg.num_cached_prompt_tokens
-                pending, early = [([msg.token_id], None), *(_tokens(t) for t in early or ())], None
+                first = ([msg.token_id], None, [] if msg.logprob is None else [msg.logprob])
+                pending, early = [first, *(_tokens(t) for t in early or ())], None
                 async for response in self._relay(pending):
                     yield response
             elif isinstance(msg, wm.Tokens):
@@ -98,10 +99,10 @@ class Attempt:
                 async for response in self._relay([_tokens(msg)]):
                     yield response
 
-    async def _relay(self, pending: list[tuple[list[int], str | None]]) -> AsyncIterator[pb.GenerateResponse]:
+    async def _relay(self, pending: list[TokenEvent]) -> AsyncIterator[pb.GenerateResponse]:
         """Token events -> client responses (detokenized, stop strings applied), until the end."""
-        for new_ids, reason in pending:
-            response = respond(self.j, self.stream, new_ids, reason)
+        for new_ids, reason, logprobs in pending:
+            response = respond(self.j, self.stream, new_ids, reason, logprobs)
             if response is not None:
                 yield response
             if self.stream.ended:
@@ -168,12 +169,20 @@ class Attempt:
                     pass
 
 
-def _tokens(msg: wm.Tokens) -> tuple[list[int], str | None]:
-    return list(msg.token_ids), msg.finish_reason if msg.finished else None
+# What one worker event adds to the stream: token ids, the finish reason if it ends it, and the
+# tokens' log-probabilities (when the request asked for them).
+TokenEvent = tuple[list[int], str | None, list[float]]
 
 
-def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None) -> pb.GenerateResponse | None:
-    """The client's next message for `new_ids` (None when there is nothing to send yet)."""
+def _tokens(msg: wm.Tokens) -> TokenEvent:
+    return list(msg.token_ids), msg.finish_reason if msg.finished else None, list(msg.logprobs)
+
+
+def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
+            logprobs: list[float] | None = None) -> pb.GenerateResponse | None:
+    """The client's next message for `new_ids` (None when there is nothing to send yet);
+    `logprobs`, one per id, travel with them when the request asked."""
+    logprobs = logprobs or []
     if stream.ttft is None and new_ids:
         stream.ttft = time.monotonic() - stream.start
     stream.generated += new_ids
@@ -181,7 +190,9 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None) 
     if stream.stops.stopped:
         reason = "stop"
     if reason is None:
-        return pb.GenerateResponse(request_id=j.request_id, text=text, token_ids=new_ids) if text or new_ids else None
+        if not (text or new_ids):
+            return None
+        return pb.GenerateResponse(request_id=j.request_id, text=text, token_ids=new_ids, logprobs=logprobs)
     if not stream.stops.stopped:  # the end of the stream: release what was held back
         text += stream.stops.push(stream.detok.flush())
         text += stream.stops.flush()
@@ -189,7 +200,7 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None) 
     stream.ended = True
     stream.done = reason != "abort"
     return pb.GenerateResponse(
-        request_id=j.request_id, text=text, token_ids=new_ids, finish_reason=FINISH[reason],
+        request_id=j.request_id, text=text, token_ids=new_ids, logprobs=logprobs, finish_reason=FINISH[reason],
         usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=len(stream.generated),
                        cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0))
 

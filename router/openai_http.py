@@ -123,27 +123,33 @@ class OpenAIServer:
             status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
             return error_response(status, str(exc), kind)
         if not stream:
-            text, last = [first.text], first
+            text, ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs), first
             try:
                 async for r in responses:
                     text.append(r.text)
+                    ids += r.token_ids
+                    logprobs += r.logprobs
                     last = r
             except RouterError as exc:  # after the first token: still an OpenAI-shaped error
                 status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
                 return error_response(status, str(exc), kind)
             return web.json_response(self._body(rid, created, chat, "".join(text), FINISH.get(last.finish_reason),
-                                                last.usage, final=True, stream=False))
+                                                last.usage, final=True, stream=False,
+                                                logprobs=self._logprobs(chat, ids, logprobs)))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         try:
             if chat:  # OpenAI streams the role first
                 await self._event(out, self._body(rid, created, chat, None, None, None, final=False, stream=True))
-            response = first
+            response, offset = first, 0
             while True:
                 done = response.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                if response.text or done:
+                if response.text or done or response.logprobs:  # a token held back as text still has its logprob
+                    lps = self._logprobs(chat, response.token_ids, response.logprobs, offset)
                     await self._event(out, self._body(rid, created, chat, response.text, FINISH.get(response.finish_reason),
-                                                      response.usage if done else None, final=done, stream=True))
+                                                      response.usage if done else None, final=done, stream=True,
+                                                      logprobs=lps))
+                    offset += len(response.text)
                 if done:
                     break
                 response = await anext(responses)
@@ -154,20 +160,33 @@ class OpenAIServer:
         await out.write_eof()
         return out
 
+    def _logprobs(self, chat: bool, token_ids, logprobs, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these tokens (None when the request did not ask): the
+        chosen tokens only; `offset` is where the first token's text starts in the completion."""
+        if not logprobs:
+            return None
+        tokens = [self.router.tokenizer.decode([t]) for t in token_ids]
+        if chat:
+            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
+                                for s, lp in zip(tokens, logprobs)]}
+        offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+
     async def _event(self, out: web.StreamResponse, payload: dict) -> None:
         await out.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
     def _body(self, rid: str, created: int, chat: bool, text: str | None, finish: str | None, usage, final: bool,
-              stream: bool) -> dict:
+              stream: bool, logprobs: dict | None = None) -> dict:
         if chat:
             if stream:
                 delta = {"role": "assistant"} if text is None else {"content": text}
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            choice["logprobs"] = logprobs
             kind = "chat.completion.chunk" if stream else "chat.completion"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             kind = "text_completion"
         body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
         if final and usage is not None:
@@ -217,4 +236,21 @@ class OpenAIServer:
                 raise BadRequest("stop must be a string or a list of strings", "stop")
             s.stop.extend(stops)
         s.ignore_eos = bool(body.get("ignore_eos", False))
+        s.logprobs = self._wants_logprobs(body, chat)
         return req
+
+    @staticmethod
+    def _wants_logprobs(body: dict, chat: bool) -> bool:
+        """Chat: `logprobs: true` (`top_logprobs` 0); completions: `logprobs: 0`. The chosen tokens'
+        log-probabilities come back; top alternatives are refused, not silently dropped."""
+        if chat:
+            wanted, top, name = body.get("logprobs"), body.get("top_logprobs"), "top_logprobs"
+            if wanted not in (None, True, False):
+                raise BadRequest("logprobs must be a boolean", "logprobs")
+        else:
+            top, name = body.get("logprobs"), "logprobs"
+            wanted = top is not None
+        if top not in (None, 0) or isinstance(top, bool):
+            raise BadRequest(f"{name} alternatives are not supported: ask for {name}: 0 (the chosen tokens' "
+                             "log-probabilities only)", name)
+        return bool(wanted)

@@ -245,13 +245,14 @@ class _GenerationService(pdserve_pb2_grpc.GenerationServicer):
             await context.abort(exc.code, str(exc))
 
     async def GenerateUnary(self, request, context):
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         try:
             async for response in self.router.generate(request, context):
                 text.append(response.text)
                 ids += response.token_ids
+                logprobs += response.logprobs
                 last = response
         except RouterError as exc:
             await context.abort(exc.code, str(exc))
-        return pb.GenerateResponse(request_id=last.request_id, text="".join(text), token_ids=ids,
+        return pb.GenerateResponse(request_id=last.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
                                    finish_reason=last.finish_reason, usage=last.usage)

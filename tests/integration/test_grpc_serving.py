@@ -254,3 +254,18 @@ def test_a_request_id_already_in_flight_is_already_exists(cluster):
                                                           sampling=pb.SamplingParams(max_tokens=2)), timeout=30)
     assert again.usage.completion_tokens == 2  # ended ids are free again
     cluster.wait_pages_free()
+
+
+def test_logprobs_come_back_and_match_hf(cluster, hf_tiny):
+    """Asked for, each token's log-probability travels with it (streamed and unary): the first
+    from the prefill worker, the rest from decode; equal to HF's log-softmax within float noise."""
+    prompt = [0] + list(range(600, 630))
+    want_ids, want_lps = hf_greedy(hf_tiny, prompt, 10)
+    req = request(prompt, max_tokens=10, logprobs=True)
+    streamed_lps = [lp for r in cluster.stub.Generate(req, timeout=60) for lp in r.logprobs]
+    unary = cluster.stub.GenerateUnary(req, timeout=60)
+    assert list(unary.token_ids) == want_ids
+    for got in (streamed_lps, list(unary.logprobs)):
+        assert len(got) == 10 and max(abs(a - b) for a, b in zip(got, want_lps)) < 2e-3
+    assert not cluster.stub.GenerateUnary(request(prompt, max_tokens=3), timeout=60).logprobs  # not asked
+    cluster.wait_pages_free()

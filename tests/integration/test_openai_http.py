@@ -16,6 +16,7 @@ import pytest
 from configs import EngineConfig
 from proto import pdserve_pb2 as pb
 from router.openai_http import OpenAIServer
+from tests.helpers import hf_greedy
 from tests.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
@@ -109,6 +110,30 @@ def test_malformed_json_is_400(served):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=10)
     assert info.value.code == 400 and "error" in json.loads(info.value.read())
+
+
+def test_logprobs_over_http_match_hf(served, hf_tiny):
+    cluster, client, _ = served
+    prompt = [0] + list(range(700, 720))
+    want_ids, want_lps = hf_greedy(hf_tiny, prompt, 6)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=0,
+                                    extra_body={"ignore_eos": True})
+    got = out.choices[0].logprobs
+    assert max(abs(a - b) for a, b in zip(got.token_logprobs, want_lps)) < 2e-3 and len(got.token_logprobs) == 6
+    assert "".join(got.tokens) == out.choices[0].text and got.text_offset[0] == 0
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert max(abs(a - b) for a, b in zip(streamed, want_lps)) < 2e-3 and len(streamed) == 6
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          logprobs=True, extra_body={"ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 4 and all(c.logprob <= 0 for c in chat.choices[0].logprobs.content)
+    with pytest.raises(openai.BadRequestError, match="alternatives are not supported"):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="alternatives are not supported"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=True, top_logprobs=3)
+    cluster.wait_pages_free()
 
 
 def test_deeply_nested_json_is_400_not_500(served):
