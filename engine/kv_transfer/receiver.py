@@ -2,11 +2,11 @@
 terminal outcome.
 
 Data flow: the decode worker reserves pages (handoff.py) and `expect`s the transfer with a
-deadline; frames from the transport are fed to `handle`, which writes page frames straight into
-the KV cache; `collect` reports each transfer's outcome once: DONE, FAILED (bad frame or
-checksum), ABORTED (sender gave up), EXPIRED (deadline passed). The owner then joins the request
-or cancels its reservation. One `_Incoming` record per request id: ending a transfer is one
-deletion.
+deadline (renewed by every page frame that lands); frames from the transport are fed to
+`handle`, which writes page frames straight into the KV cache; `collect` reports each
+transfer's outcome once: DONE, FAILED (bad frame or checksum), ABORTED (sender gave up),
+EXPIRED (deadline passed). The owner then joins the request or cancels its reservation. One
+`_Incoming` record per request id: ending a transfer is one deletion.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class _Incoming:
     """One expected transfer on the receiving side."""
 
     page_ids: list[int]  # destination pages, in the order the sender indexes them
-    deadline: float  # clock() value
+    timeout_s: float  # the lease: how long the transfer may go without a page arriving
+    deadline: float  # clock() value; every page frame pushes it to now + timeout_s
     received: set[int] = field(default_factory=set)  # destination indexes written so far
     progress: TransferProgress = field(default_factory=TransferProgress)
 
@@ -49,7 +50,7 @@ class KVReceiver:
     def expect(self, request_id: str, page_ids: list[int], timeout_s: float) -> None:
         if request_id in self._incoming:
             raise ValueError(f"a transfer for {request_id!r} is already expected")
-        self._incoming[request_id] = _Incoming(list(page_ids), self.clock() + timeout_s)
+        self._incoming[request_id] = _Incoming(list(page_ids), timeout_s, self.clock() + timeout_s)
 
     def cancel(self, request_id: str) -> bool:
         """Stops expecting a transfer without reporting an outcome (its owner aborted it)."""
@@ -116,7 +117,11 @@ class KVReceiver:
             data = torch.frombuffer(frame.payload, dtype=torch.uint8).view(dtype).view(h["shape"])
         self.kv_cache.write_pages(entry.page_ids[first : first + num], data)
         entry.received.update(range(first, first + num))
-        entry.progress.add(len(frame.payload), self.clock())
+        now = self.clock()
+        entry.progress.add(len(frame.payload), now)
+        # A transfer that makes progress is alive: its lease covers the wait for the next page,
+        # not the whole prefill (a long prompt streamed chunk by chunk never expires midway).
+        entry.deadline = max(entry.deadline, now + entry.timeout_s)
 
     def _end(self, request_id: str, state: TransferState, detail: str = "", first_token: int | None = None) -> None:
         entry = self._incoming.pop(request_id)

@@ -191,3 +191,27 @@ def test_a_done_frame_with_a_bad_first_token_fails_the_transfer(first_token):
     [outcome] = wait_outcome(receiver, channel.receiver)
     assert outcome.state is TransferState.FAILED and "bad first token" in outcome.detail
     assert outcome.first_token is None
+
+
+def test_a_transfer_that_keeps_sending_pages_outlives_its_lease():
+    """The lease bounds the wait for the next page, not the whole transfer: pages arriving every
+    0.1 s keep a 0.3 s lease alive for a second; silence after the last one expires it."""
+    clock = [0.0]
+    decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4, num_pages=16))
+    receiver = KVReceiver(decode.kv_cache, clock=lambda: clock[0])
+    pages = decode.page_manager.allocate(10)
+    receiver.expect("slow", pages, timeout_s=0.3)
+    receiver.expect("silent", pages[:0], timeout_s=0.3)
+    page = decode.kv_cache.read_pages(pages[:1])
+    channel = InProcChannel()
+    sender = KVSender(channel.sender)
+    sender.begin("slow", timeout_s=10)
+    for i in range(10):
+        clock[0] += 0.1
+        sender.send_pages("slow", i, page)
+        assert [o.request_id for o in poll(receiver, channel.receiver, 0)] == (["silent"] if i == 2 else [])
+    clock[0] += 0.25
+    sender.finish("slow", 7)
+    [done] = poll(receiver, channel.receiver, 0)
+    assert done.state is TransferState.DONE and done.first_token == 7
+    decode.page_manager.release(pages)
