@@ -153,7 +153,8 @@ class WorkerHost:
                 receiver = ZmqFrameReceiver(spec.host, spec.kv_port)
                 closers.append(receiver.close)
             return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
-                                transfer_observer=observe_transfer, max_lease_s=spec.max_lease_s)
+                                transfer_observer=observe_transfer, max_lease_s=spec.max_lease_s,
+                                require_checksum=spec.kv_checksum)
         senders: dict[str, KVSender] = {}
 
         def open_sender(address: str) -> KVSender:

@@ -131,7 +131,9 @@ class KVTransferConfig(_Strict):
     transport: Literal["zmq", "torch_dist"] = "zmq"
     timeout_s: float = Field(30.0, gt=0, description="deadline of one transfer")
     reservation_lease_s: float = Field(30.0, gt=0, description="decode pages wait this long for their KV")
-    checksum: bool = False
+    # CRC-32 of every page frame, sent by prefill and required by decode: corrupt KV fails its transfer
+    # (and the request is retried) instead of decoding from garbage.
+    checksum: bool = True
     dist_port: int = Field(52500, ge=1, le=65535, description="torch_dist: the process group's TCP store port")
 
 

@@ -50,6 +50,7 @@ class DecodeWorker:
         clock: Callable[[], float] = time.monotonic,
         transfer_observer: TransferObserver | None = None,
         max_lease_s: float = 30.0,
+        require_checksum: bool = False,
     ) -> None:
         """`max_lease_s`: the longest a reservation waits for its KV, whatever a ReserveKV asks."""
         self.worker_id = worker_id
@@ -59,7 +60,7 @@ class DecodeWorker:
         self.emit = emit
         self.clock = clock
         self.max_lease_s = max_lease_s
-        self.receiver = KVReceiver(engine.kv_cache, clock, transfer_observer)
+        self.receiver = KVReceiver(engine.kv_cache, clock, transfer_observer, require_checksum)
         self.log = EventLog("decode", worker_id)
         # One record per request between ReserveKV and joining: its prompt and sampling settings.
         # The pages are the engine's reservation; the KV deadline is the receiver's.

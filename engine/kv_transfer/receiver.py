@@ -39,8 +39,11 @@ class KVReceiver:
     """Receiver-side rules over any transport: `expect`, feed frames with `handle`, collect
     terminal outcomes with `collect` (each transfer reported exactly once)."""
 
-    def __init__(self, kv_cache: KVCache, clock=time.monotonic, observer: TransferObserver | None = None) -> None:
+    def __init__(self, kv_cache: KVCache, clock=time.monotonic, observer: TransferObserver | None = None,
+                 require_checksum: bool = False) -> None:
+        """`require_checksum`: a page frame without a CRC-32 fails its transfer."""
         self.kv_cache = kv_cache
+        self.require_checksum = require_checksum
         self.clock = clock
         self.observer = observer
         self._incoming: dict[str, _Incoming] = {}
@@ -103,6 +106,8 @@ class KVReceiver:
             raise ValueError("a page frame needs int first_page and num_pages >= 1")
         if first < 0 or first + num > len(entry.page_ids):
             raise ValueError(f"pages [{first}, {first + num}) outside the {len(entry.page_ids)} reserved")
+        if self.require_checksum and "crc32" not in h:
+            raise ValueError(f"pages [{first}, {first + num}) came without the required checksum")
         if "crc32" in h and zlib.crc32(frame.payload) != h["crc32"]:
             raise ValueError(f"checksum mismatch in pages [{first}, {first + num})")
         # The frame must be exactly what this cache holds for `num` pages: dtype, shape and size.

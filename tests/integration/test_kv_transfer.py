@@ -215,3 +215,17 @@ def test_a_transfer_that_keeps_sending_pages_outlives_its_lease():
     [done] = poll(receiver, channel.receiver, 0)
     assert done.state is TransferState.DONE and done.first_token == 7
     decode.page_manager.release(pages)
+
+
+def test_a_receiver_that_requires_checksums_refuses_a_page_frame_without_one():
+    decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4, num_pages=8))
+    receiver = KVReceiver(decode.kv_cache, require_checksum=True)
+    pages = decode.page_manager.allocate(1)
+    receiver.expect("r", pages, timeout_s=10)
+    channel = InProcChannel()
+    sender = KVSender(channel.sender, checksum=False)
+    sender.begin("r", timeout_s=10)
+    sender.send_pages("r", 0, decode.kv_cache.read_pages(pages))
+    [outcome] = wait_outcome(receiver, channel.receiver)
+    assert outcome.state is TransferState.FAILED and "without the required checksum" in outcome.detail
+    decode.page_manager.release(pages)
