@@ -1,5 +1,5 @@
 """A whole cluster inside one process, without Ray: worker roles on threads, the router on an
-asyncio thread, ZMQ on loopback between them. For tests and benchmarks that need the real
+asyncio thread, ZMQ on loopback between them. For tests that need the real
 sockets and gRPC path but not Ray's process placement (`pdserve up` uses Ray actors). A test
 fixture: nothing shipped imports it."""
 
