@@ -26,6 +26,8 @@ class RouterConfig(_Strict):
     grpc_port: int = Field(50051, ge=1, le=65535)
     http_port: int | None = Field(None, ge=1, le=65535, description="OpenAI-compatible HTTP; None = off")
     max_queued_requests: int = Field(256, ge=1, description="admission bound: beyond it, RESOURCE_EXHAUSTED")
+    max_queued_prompt_tokens: int = Field(
+        1 << 20, ge=1, description="admission bound on the prompt tokens of requests in flight: beyond it, RESOURCE_EXHAUSTED")
     policy: Literal["least_loaded", "prefix_affinity"] = "prefix_affinity"
     worker_event_port: int = Field(52000, ge=1, le=65535, description="workers push events to the router here")
     # Live goodput (router /metrics): a request counts when it meets every target that is set.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
@@ -19,6 +20,7 @@ from router.journey_state import Journey, JourneySettings, Pool, RouterError, St
 from router.policy import LeastLoadedPolicy
 from router.prefill_gate import PrefillGate
 
+log = logging.getLogger(__name__)
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
@@ -58,6 +60,8 @@ class Attempt:
         await self._dispatch(worker, wm.Generate(self.rid, self.prompt, self.sampling))
         while not self.stream.ended:
             msg = await self._next()
+            if not self._sent_by(msg, worker):
+                continue
             if isinstance(msg, wm.Failed):
                 self._fail(msg)
             elif isinstance(msg, wm.Tokens):
@@ -69,12 +73,16 @@ class Attempt:
     async def _disaggregated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
         prefill = await _prefill_slot(self.j, self.prompt, self.pool, self.policy, self.gate, self.wait_s)
         self.gated = prefill
-        await self._reserve()
+        decode = await self._reserve()
+        # Which worker may say what: a message naming another sender is not this attempt's.
+        senders = {wm.Reserved: decode, wm.Tokens: decode, wm.FirstToken: prefill, wm.TransferEnded: prefill}
         # The decode worker joins the request when its KV lands and may stream before the prefill
         # worker's FirstToken is read here (two sockets): hold its tokens back until then.
         early: list[wm.Tokens] | None = []
         while not self.stream.ended:
             msg = await self._next()
+            if not self._sent_by(msg, *([senders[type(msg)]] if type(msg) in senders else [prefill, decode])):
+                continue
             if isinstance(msg, wm.Reserved):
                 self.policy.record(self.prompt, prefill)
                 kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s)
@@ -108,17 +116,20 @@ class Attempt:
             if self.stream.ended:
                 return
 
-    async def _reserve(self) -> None:
-        """Decode pages for the prompt, retrying while every decode worker is full (backpressure)."""
+    async def _reserve(self) -> str:
+        """Decode pages for the prompt, retrying while every decode worker is full (backpressure);
+        returns the decode worker that reserved them."""
         while True:
             worker = await _choose(lambda: self.policy.choose_decode(self.prompt, self.pool.loads("decode")),
                                    self.j, self.wait_s, "no healthy decode worker")
             self._use(worker)
             await _send(self.pool, worker, wm.ReserveKV(self.rid, self.prompt, self.settings.lease_s, self.sampling))
-            msg = await _next(self.events, self.j.deadline, self.pool, {worker: self.pool.incarnation(worker)})
+            watched = {worker: self.pool.incarnation(worker)}
+            while not self._sent_by(msg := await _next(self.events, self.j.deadline, self.pool, watched), worker):
+                pass
             if isinstance(msg, wm.Reserved):
                 self.events.put_nowait(msg)  # the path acts on it
-                return
+                return worker
             if isinstance(msg, wm.Failed):
                 code = grpc.StatusCode.INVALID_ARGUMENT if msg.stage == "reserve" else grpc.StatusCode.UNAVAILABLE
                 raise RouterError(code, msg.reason)
@@ -131,6 +142,16 @@ class Attempt:
         await _send(self.pool, worker, message)
         while self.dispatched:
             self.dispatched.pop()(worker)
+
+    def _sent_by(self, msg: object, *workers: str) -> bool:
+        """Whether `msg` comes from one of `workers`; an event under this attempt's id from any
+        other sender is dropped and logged (it cannot be a reply to what this attempt sent)."""
+        sender = getattr(msg, "worker_id", None)
+        if sender in workers:
+            return True
+        log.warning("request %s: dropped %s from %s, which this attempt did not ask", self.rid,
+                    type(msg).__name__, sender)
+        return False
 
     def _next(self):
         return _next(self.events, self.j.deadline, self.pool, self.watched)

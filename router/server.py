@@ -59,6 +59,8 @@ class Router:
         self.event_address = spec.event_address
         self.policy = make_policy(cfg.policy)
         self.max_queued_requests = cfg.max_queued_requests
+        self.max_queued_prompt_tokens = cfg.max_queued_prompt_tokens
+        self.prompt_tokens_in_flight = 0
         self.settings = JourneySettings(mode=spec.mode, kv_timeout_s=spec.kv_timeout_s, lease_s=spec.lease_s,
                                         max_attempts=cfg.max_attempts, retry_wait_s=cfg.retry_wait_s,
                                         max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
@@ -176,13 +178,19 @@ class Router:
             # Checked after the await, with nothing between them and the admission below.
             if self.num_in_flight >= self.max_queued_requests:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.num_in_flight} requests in flight: "
-                                  f"over the bound of {self.max_queued_requests}")
+                                  f"over the bound of {self.max_queued_requests}; retry in a moment")
+            if self.prompt_tokens_in_flight + len(journey.prompt) > self.max_queued_prompt_tokens:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"{self.prompt_tokens_in_flight} prompt tokens in flight: this prompt's "
+                                  f"{len(journey.prompt)} would pass router.max_queued_prompt_tokens "
+                                  f"({self.max_queued_prompt_tokens}); retry in a moment")
             if rid in self._live_ids:  # its events and aborts would be mixed up with the live one's
                 raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
         except RouterError as exc:
             self._failed(rid, exc.code, str(exc), admitted=False)
             raise
         self._live_ids.add(rid)
+        self.prompt_tokens_in_flight += len(journey.prompt)
         if time_remaining_s is not None:  # the client's own deadline, if sooner
             journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + time_remaining_s))
         self.num_in_flight += 1
@@ -224,6 +232,7 @@ class Router:
             raise
         finally:
             self._live_ids.discard(rid)
+            self.prompt_tokens_in_flight -= len(journey.prompt)
             self.num_in_flight -= 1
             self.metrics.in_flight.dec()
 

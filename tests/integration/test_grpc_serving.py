@@ -165,6 +165,23 @@ def test_burst_beyond_the_queue_bound_is_resource_exhausted(tiny_dir):
         c.close()
 
 
+def test_prompt_tokens_in_flight_are_bounded_too(tiny_dir):
+    """A 51-token prompt passes a 100-token bound alone; a second one in flight with it does not."""
+    c = LocalCluster(tiny_dir, "disaggregated", ENGINE, max_queued_prompt_tokens=100)
+    try:
+        first = c.stub.Generate(request([0] + list(range(10, 60)), max_tokens=200), timeout=60)
+        assert next(first).token_ids
+        with pytest.raises(grpc.RpcError) as info:
+            c.stub.GenerateUnary(request([0] + list(range(20, 70)), max_tokens=2), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "router.max_queued_prompt_tokens (100)" in info.value.details()
+        assert c.stub.GenerateUnary(request([0, 5], max_tokens=2), timeout=30).usage.completion_tokens == 2  # fits
+        assert sum(len(r.token_ids) for r in first) == 199
+        c.wait_pages_free()
+    finally:
+        c.close()
+
+
 def test_reflection_lists_the_services(cluster):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

@@ -79,14 +79,18 @@ def tokens(rid: str, worker: str, ids: tuple[int, ...], finished: bool = False) 
     return wm.Tokens(rid, worker, ids, (), finished, "length" if finished else None)
 
 
+RESERVED_BY: dict[str, str] = {}  # request id -> the decode worker that reserved it (it streams the tokens)
+
+
 def happy_workers(worker_id: str, cmd: object) -> list[object]:
     """A disaggregated pair that serves every request: first token 10, then 11, 12, 13."""
     if isinstance(cmd, wm.ReserveKV):
+        RESERVED_BY[cmd.request_id] = worker_id
         return [wm.Reserved(cmd.request_id, worker_id, "kv:1", 1, 0)]
     if isinstance(cmd, wm.Prefill):
         rid, rest = cmd.request_id, cmd.sampling.max_tokens - 1
         return [wm.FirstToken(rid, worker_id, 10, None, 0), wm.TransferEnded(rid, worker_id, "done"),
-                tokens(rid, "d0", tuple(range(11, 11 + rest)), finished=True)]
+                tokens(rid, RESERVED_BY.get(rid, "d0"), tuple(range(11, 11 + rest)), finished=True)]
     return []
 
 
@@ -233,3 +237,22 @@ def test_a_stop_string_ends_the_stream_and_frees_the_workers(tokenizer):
     assert out[-1].finish_reason == pb.FINISH_REASON_STOP and text not in "".join(r.text for r in out)
     # The prefill worker reported its transfer done (it holds nothing); the decode worker is told.
     assert [w for w, _ in pool.commands(wm.Abort)] == ["d0"]
+
+
+def test_events_from_workers_the_attempt_did_not_ask_are_dropped(tokenizer):
+    """Anyone who can reach the event socket can name a request id; a token or failure from a
+    worker the attempt did not use never reaches the client."""
+    def forger_first(worker_id, cmd):
+        forged = []
+        if isinstance(cmd, wm.ReserveKV):
+            forged = [wm.Reserved(cmd.request_id, "d9", "kv:9", 1, 0)]
+        if isinstance(cmd, wm.Prefill):
+            rid = cmd.request_id
+            forged = [wm.FirstToken(rid, "p9", 99, None, 0), tokens(rid, "p0", (98,)),
+                      wm.Failed(rid, "d9", "transfer", "forged"), tokens(rid, "d9", (97,), True)]
+        return forged + happy_workers(worker_id, cmd)
+
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, forger_first)
+    assert ids(run(pool, tokenizer)) == [10, 11, 12, 13]
+    [(worker, prefill)] = pool.commands(wm.Prefill)
+    assert prefill.kv.address == "kv:1"  # the real reservation's address, not the forged one
