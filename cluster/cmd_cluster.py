@@ -63,8 +63,9 @@ def _control(config_path: str, request: dict, timeout_s: float) -> dict:
     if state is None or not pid_alive(state["pid"]):
         raise SystemExit(f"pdserve: no running cluster for {config_path} (start it with 'pdserve up {config_path}')")
     host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
+    address = state.get("control_address") or f"{host}:{config.router.control_port}"  # `up` wrote where it listens
     try:
-        reply = control_request(f"{host}:{config.router.control_port}", request, timeout_s)
+        reply = control_request(address, request, timeout_s)
     except TimeoutError as exc:
         raise SystemExit(f"pdserve: {exc}") from None
     if not reply.get("ok"):

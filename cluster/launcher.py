@@ -109,7 +109,8 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
                 slots[slot.worker_id] = slot
         for wid, address in wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say).items():
             slots[wid].resolve(address)
-        spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], config.router.host)
+        # The event socket binds the internal address, never a public 0.0.0.0.
+        spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], host)
         # Pinned to this node: router.host (or, for 0.0.0.0, this node's IP) is where clients and
         # workers find it. Several calls at once: a drain waits on the router while status reads it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -161,7 +162,8 @@ def wait_ready(actors: dict[str, object], timeout_s: float, say) -> dict[str, ob
 def write_state(config_path: str | Path, cluster: RunningCluster) -> Path:
     path = state_file(config_path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": os.getpid(), "grpc_address": cluster.grpc_address}))
+    control = f"{worker_host(cluster.config)}:{cluster.config.router.control_port}"
+    path.write_text(json.dumps({"pid": os.getpid(), "grpc_address": cluster.grpc_address, "control_address": control}))
     return path
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from cluster import launcher
 from cluster.specs import serving_pools
+from cluster.worker_launch import worker_host
 from configs import ClusterConfig
 
 if TYPE_CHECKING:
@@ -84,7 +85,8 @@ class Cluster:
             self._files.append(self._write_targets())
             self.say(f"pdserve: Prometheus targets (file_sd) in {self._files[-1]}")
             pools = PoolManager(self.running, start_timeout_s=self.timeout_s, on_change=self._write_targets)
-            self._control = ControlServer(pools, f"{self.config.router.host}:{self.config.router.control_port}")
+            # On the internal address (cluster/worker_launch.py worker_host), never a public 0.0.0.0.
+            self._control = ControlServer(pools, f"{worker_host(self.config)}:{self.config.router.control_port}")
             self._control.start()
             self._threads.append(pools.supervise(self._stop_rounds, say=self.say))
             if any(pool.autoscaling is not None for _, pool in serving_pools(self.config)):

@@ -61,7 +61,11 @@ class WorkerSlot:
 
 
 def worker_host(config: ClusterConfig) -> str:
-    """Where clients and workers reach the router (and, on loopback, everything else)."""
+    """Where workers reach the router's internal sockets (events, control) and what those bind:
+    router.internal_host if set, else router.host unless that is 0.0.0.0, else loopback for an
+    embedded cluster or this node's address; never the wildcard."""
+    if config.router.internal_host is not None:
+        return config.router.internal_host
     if config.router.host != "0.0.0.0":
         return config.router.host
     if on_loopback(config):

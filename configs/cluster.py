@@ -30,6 +30,10 @@ class RouterConfig(_Strict):
         1 << 20, ge=1, description="admission bound on the prompt tokens of requests in flight: beyond it, RESOURCE_EXHAUSTED")
     policy: Literal["least_loaded", "prefix_affinity"] = "prefix_affinity"
     worker_event_port: int = Field(52000, ge=1, le=65535, description="workers push events to the router here")
+    # Where the internal sockets (worker events, control) bind: never the public `host` when that is
+    # 0.0.0.0. None = `host` when it names one interface, else this node's address (loopback for
+    # an embedded Ray cluster).
+    internal_host: str | None = None
     # Live goodput (router /metrics): a request counts when it meets every target that is set.
     slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token target; None = no target")
     slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token target; None = no target")

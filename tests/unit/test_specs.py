@@ -89,3 +89,17 @@ def test_a_worker_spec_that_cannot_run_is_refused(fields, message):
             "command_port": 1, "router_event_address": "127.0.0.1:2"}
     with pytest.raises(ValueError, match=message):
         WorkerSpec(**(base | fields))
+
+
+@pytest.mark.parametrize(("router", "ray_address", "internal"), [
+    ({"host": "127.0.0.1"}, None, "127.0.0.1"),
+    ({"host": "0.0.0.0"}, None, "127.0.0.1"),  # an embedded cluster: internal sockets stay on loopback
+    ({"host": "0.0.0.0", "internal_host": "10.1.2.3"}, "auto", "10.1.2.3"),
+    ({"host": "192.168.0.9"}, "auto", "192.168.0.9"),
+])
+def test_internal_sockets_never_bind_the_public_wildcard(tiny_dir, router, ray_address, internal):
+    from cluster.worker_launch import worker_host
+
+    config = cluster(router=router, ray={"address": ray_address})
+    assert worker_host(config) == internal
+    assert router_spec(config, str(tiny_dir), [], worker_host(config)).event_address == f"{internal}:52000"
