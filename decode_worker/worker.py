@@ -12,6 +12,7 @@ the router's request id (configs/logging_setup.py).
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 
@@ -116,9 +117,10 @@ class DecodeWorker:
         self.log.event("reserved", message.request_id, pages=len(res.page_ids), cached_pages=res.num_cached_pages)
         self._reserved[message.request_id] = message
         lease_s = min(message.lease_s, self.max_lease_s)  # pages are never held longer than configured
-        self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), lease_s)
+        token = secrets.token_hex(16)  # frames without it (forged, or another transfer's) are ignored
+        self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), lease_s, token)
         self.emit(Reserved(message.request_id, self.worker_id, self.kv_address, len(res.page_ids),
-                           res.num_cached_pages))
+                           res.num_cached_pages, token))
 
     def _join(self, request_id: str, first_token: int) -> None:
         reserve = self._reserved.pop(request_id)

@@ -102,7 +102,7 @@ class PrefillWorker:
         self.log.event("admitted", message.request_id, prompt_tokens=len(message.prompt_token_ids),
                        decode=message.kv.address, pages_to_send=message.kv.num_pages - message.kv.skip_pages)
         sender = self.open_sender(message.kv.address)
-        sender.begin(message.request_id, min(message.kv.timeout_s, self.max_transfer_s))
+        sender.begin(message.request_id, min(message.kv.timeout_s, self.max_transfer_s), message.kv.token)
         self._jobs[message.request_id] = _Job(message, sender)
 
     def _ship(self, request_id: str, job: _Job) -> None:

@@ -45,6 +45,7 @@ class KVDestination:
     num_pages: int  # pages the prompt occupies
     skip_pages: int  # leading pages the decode side already holds (prefix cache): not sent
     timeout_s: float
+    token: str = ""  # the reservation's secret: every KV frame carries it (Reserved.transfer_token)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Reserved:
     kv_address: str
     num_pages: int
     num_cached_pages: int
+    transfer_token: str = ""  # random per reservation: only a sender told it can fill these pages
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ class Attempt:
                 continue
             if isinstance(msg, wm.Reserved):
                 self.policy.record(self.prompt, prefill)
-                kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s)
+                kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s,
+                                      msg.transfer_token)
                 await self._dispatch(prefill, wm.Prefill(self.rid, self.prompt, self.sampling, kv))
             elif isinstance(msg, wm.Failed):
                 self._fail(msg)

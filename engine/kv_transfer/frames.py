@@ -56,30 +56,45 @@ def parse_header(data: bytes) -> dict[str, Any]:
     return header
 
 
-def pages_frame(request_id: str, first_page: int, data: torch.Tensor, checksum: bool) -> Frame:
-    """Frame for `data` = KVCache.read_pages output, to land at destination index `first_page`."""
+def page_checksum(header: dict[str, Any], payload: memoryview | bytes) -> int:
+    """CRC-32 over a page frame's payload and the header fields that say where it lands, so a
+    frame whose bytes or destination were changed on the way fails its transfer."""
+    where = f"{header['request_id']}:{header['first_page']}:{header['num_pages']}:{header.get('token', '')}"
+    return zlib.crc32(payload, zlib.crc32(where.encode()))
+
+
+def pages_frame(request_id: str, first_page: int, data: torch.Tensor, checksum: bool, token: str = "") -> Frame:
+    """Frame for `data` = KVCache.read_pages output, to land at destination index `first_page`.
+    `token`: the transfer's secret from its reservation (the receiver ignores frames without it)."""
     raw = data.contiguous().view(torch.uint8).numpy().data  # bf16 travels as bytes too
-    header = {
+    header: dict[str, Any] = {
         "kind": "pages", "request_id": request_id, "first_page": first_page,
         "num_pages": int(data.shape[2]), "dtype": str(data.dtype).removeprefix("torch."),
         "shape": list(data.shape),
     }
+    if token:
+        header["token"] = token
     if checksum:
-        header["crc32"] = zlib.crc32(raw)
+        header["crc32"] = page_checksum(header, raw)
     return Frame(header, raw.cast("B"))
 
 
-def done_frame(request_id: str, num_pages: int, first_token: int | None = None) -> Frame:
+def done_frame(request_id: str, num_pages: int, first_token: int | None = None, token: str = "") -> Frame:
     """The transfer's final frame; it carries the first token so the decode side can join the
     request the moment its KV is whole (no second message from the router)."""
-    header = {"kind": "done", "request_id": request_id, "num_pages": num_pages}
+    header: dict[str, Any] = {"kind": "done", "request_id": request_id, "num_pages": num_pages}
     if first_token is not None:
         header["first_token"] = first_token
+    if token:
+        header["token"] = token
     return Frame(header)
 
 
-def abort_frame(request_id: str, reason: str) -> Frame:
-    return Frame({"kind": "abort", "request_id": request_id, "reason": reason})
+def abort_frame(request_id: str, reason: str, token: str = "") -> Frame:
+    header = {"kind": "abort", "request_id": request_id, "reason": reason}
+    if token:
+        header["token"] = token
+    return Frame(header)
 
 
 @dataclass(frozen=True)

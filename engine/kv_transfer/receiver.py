@@ -14,13 +14,19 @@ from __future__ import annotations
 import math
 import time
 import warnings
-import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.kv_cache import KVCache
-from engine.kv_transfer.frames import Frame, TransferObserver, TransferProgress, TransferResult, TransferState
+from engine.kv_transfer.frames import (
+    Frame,
+    TransferObserver,
+    TransferProgress,
+    TransferResult,
+    TransferState,
+    page_checksum,
+)
 from engine.kv_transfer.transport import BaseFrameReceiver
 
 
@@ -29,6 +35,7 @@ class _Incoming:
     """One expected transfer on the receiving side."""
 
     page_ids: list[int]  # destination pages, in the order the sender indexes them
+    token: str  # the transfer's secret: frames without it are not this transfer's
     timeout_s: float  # the lease: how long the transfer may go without a page arriving
     deadline: float  # clock() value; every page frame pushes it to now + timeout_s
     received: set[int] = field(default_factory=set)  # destination indexes written so far
@@ -50,10 +57,12 @@ class KVReceiver:
         self._outcomes: list[TransferResult] = []
         self.num_stray_frames = 0  # frames for transfers not (or no longer) expected
 
-    def expect(self, request_id: str, page_ids: list[int], timeout_s: float) -> None:
+    def expect(self, request_id: str, page_ids: list[int], timeout_s: float, token: str = "") -> None:
+        """`token`: a secret every frame of this transfer must carry (given to the sender through
+        the reservation); a frame without it is ignored and counted, never able to end the transfer."""
         if request_id in self._incoming:
             raise ValueError(f"a transfer for {request_id!r} is already expected")
-        self._incoming[request_id] = _Incoming(list(page_ids), timeout_s, self.clock() + timeout_s)
+        self._incoming[request_id] = _Incoming(list(page_ids), token, timeout_s, self.clock() + timeout_s)
 
     def cancel(self, request_id: str) -> bool:
         """Stops expecting a transfer without reporting an outcome (its owner aborted it)."""
@@ -65,8 +74,8 @@ class KVReceiver:
     def handle(self, frame: Frame) -> None:
         request_id = frame.header.get("request_id")
         entry = self._incoming.get(request_id) if isinstance(request_id, str) else None
-        if request_id is None or entry is None:
-            self.num_stray_frames += 1
+        if request_id is None or entry is None or frame.header.get("token", "") != entry.token:
+            self.num_stray_frames += 1  # not expected, or forged: the real transfer goes on
             return
         kind = frame.header.get("kind")
         try:
@@ -108,7 +117,7 @@ class KVReceiver:
             raise ValueError(f"pages [{first}, {first + num}) outside the {len(entry.page_ids)} reserved")
         if self.require_checksum and "crc32" not in h:
             raise ValueError(f"pages [{first}, {first + num}) came without the required checksum")
-        if "crc32" in h and zlib.crc32(frame.payload) != h["crc32"]:
+        if "crc32" in h and page_checksum(h, frame.payload) != h["crc32"]:
             raise ValueError(f"checksum mismatch in pages [{first}, {first + num})")
         # The frame must be exactly what this cache holds for `num` pages: dtype, shape and size.
         dtype, shape = self.kv_cache.dtype, self.kv_cache.pages_shape(num)

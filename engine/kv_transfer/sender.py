@@ -50,6 +50,7 @@ class _Outgoing:
     """One transfer in progress on the sending side."""
 
     deadline: float  # clock() value
+    token: str = ""  # the transfer's secret from its reservation, carried by every frame
     num_pages: int = 0  # destination pages covered so far (the done frame states it)
     progress: TransferProgress = field(default_factory=TransferProgress)
 
@@ -64,14 +65,16 @@ class KVSender:
         self.staging = StagingBuffers()
         self._outgoing: dict[str, _Outgoing] = {}
 
-    def begin(self, request_id: str, timeout_s: float) -> None:
+    def begin(self, request_id: str, timeout_s: float, token: str = "") -> None:
+        """`token`: the secret the decode side gave the reservation (KVDestination.token)."""
         if request_id in self._outgoing:
             raise ValueError(f"a transfer for {request_id!r} is already in progress")
-        self._outgoing[request_id] = _Outgoing(self.clock() + timeout_s)
+        self._outgoing[request_id] = _Outgoing(self.clock() + timeout_s, token)
 
     def send_pages(self, request_id: str, first_page: int, data: torch.Tensor) -> None:
         """Sends pages [first_page, first_page + n) of the destination list (data: read_pages)."""
-        self._send(self._get(request_id), pages_frame(request_id, first_page, data, self.checksum),
+        entry = self._get(request_id)
+        self._send(entry, pages_frame(request_id, first_page, data, self.checksum, entry.token),
                    first_page + int(data.shape[2]))
 
     def send_cache_pages(self, request_id: str, first_page: int, kv_cache: KVCache, page_ids: list[int]) -> None:
@@ -79,7 +82,7 @@ class KVSender:
         entry = self._get(request_id)
         buf = self.staging.acquire(kv_cache.pages_shape(len(page_ids)), kv_cache.dtype, kv_cache.device)
         kv_cache.read_pages(page_ids, out=buf)
-        reusable = self._send(entry, pages_frame(request_id, first_page, buf, self.checksum),
+        reusable = self._send(entry, pages_frame(request_id, first_page, buf, self.checksum, entry.token),
                               first_page + len(page_ids))
         self.staging.release(buf, reusable)
 
@@ -89,15 +92,16 @@ class KVSender:
         entry = self._outgoing[request_id]
         try:
             if not self.transport.flush(max(0.0, entry.deadline - self.clock())):
-                self._try_send(abort_frame(request_id, "sender deadline passed"))
+                self._try_send(abort_frame(request_id, "sender deadline passed", entry.token))
                 return self._end(request_id, TransferState.EXPIRED)
-            self.transport.send(done_frame(request_id, entry.num_pages, first_token))
+            self.transport.send(done_frame(request_id, entry.num_pages, first_token, entry.token))
             return self._end(request_id, TransferState.DONE)
         except TransportError:
             return self._end(request_id, TransferState.FAILED)
 
     def abort(self, request_id: str, reason: str) -> TransferState:
-        self._try_send(abort_frame(request_id, reason))
+        entry = self._outgoing.get(request_id)
+        self._try_send(abort_frame(request_id, reason, entry.token if entry else ""))
         return self._end(request_id, TransferState.ABORTED)
 
     def _get(self, request_id: str) -> _Outgoing:

@@ -229,3 +229,33 @@ def test_a_receiver_that_requires_checksums_refuses_a_page_frame_without_one():
     [outcome] = wait_outcome(receiver, channel.receiver)
     assert outcome.state is TransferState.FAILED and "without the required checksum" in outcome.detail
     decode.page_manager.release(pages)
+
+
+def test_frames_without_the_transfer_token_are_ignored_and_tampered_ones_fail():
+    """Whoever knows a request id but not its reservation's token can neither fill its pages nor
+    end its transfer; a frame whose destination was changed on the way fails its checksum."""
+    from engine.kv_transfer.frames import Frame
+
+    decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4, num_pages=8))
+    receiver = KVReceiver(decode.kv_cache, require_checksum=True)
+    pages = decode.page_manager.allocate(2)
+    data = decode.kv_cache.read_pages(pages[:1])
+    receiver.expect("r", pages, timeout_s=10, token="s3cret")
+    channel = InProcChannel()
+    forger = KVSender(channel.sender, checksum=True)
+    forger.begin("r", timeout_s=10, token="guess")
+    forger.send_pages("r", 0, data)
+    forger.abort("r", "forged abort")
+    real = KVSender(channel.sender, checksum=True)
+    real.begin("r", timeout_s=10, token="s3cret")
+    real.send_pages("r", 0, data)
+    assert poll(receiver, channel.receiver, 0) == [] and receiver.num_stray_frames == 2  # forged, and ignored
+    tampered = KVSender(channel.sender, checksum=True)
+    tampered.begin("r", timeout_s=10, token="s3cret")
+    tampered.send_pages("r", 1, data)  # then moved to another destination page on the way:
+    moved = channel.receiver.recv(0)
+    assert len(moved) == 1
+    receiver.handle(Frame({**moved[0].header, "first_page": 0}, moved[0].payload))
+    [outcome] = receiver.collect()
+    assert outcome.state is TransferState.FAILED and "checksum mismatch" in outcome.detail
+    decode.page_manager.release(pages)

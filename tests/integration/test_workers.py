@@ -75,7 +75,8 @@ class MiniRouter:
             return
         if isinstance(msg, m.Reserved):
             self.stage[rid] = "prefilling"
-            kv = m.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, timeout_s=10)
+            kv = m.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, timeout_s=10,
+                                 token=msg.transfer_token)
             self.prefill.handle(m.Prefill(rid, self.prompts[rid], GREEDY, kv))
         elif isinstance(msg, m.ReserveRejected):
             self.rejected.add(rid)
