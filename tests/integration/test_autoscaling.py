@@ -44,14 +44,25 @@ def fake_ray(tmp_path):
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--port", str(port),
          "--num-cpus", "2", "--resources", json.dumps({"prefill_slot": 1, "decode_slot": 1}),
          "--include-dashboard", "false", "--autoscaling-config", str(tmp_path / "fake-multinode.yaml")],
-        stdout=log, stderr=subprocess.STDOUT, env=head_env, cwd=tmp_path, start_new_session=True)
+        stdout=log, stderr=subprocess.STDOUT, env=head_env, cwd=tmp_path, start_new_session=True,
+        preexec_fn=_sigint_default)
     log.close()
     try:
         wait_for(lambda: alive_nodes(port, tmp_path) == 1, "the Ray head", 90)
         yield port
     finally:
         os.killpg(head.pid, signal.SIGINT)
-        head.wait(60)
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:  # never leave a Ray cluster behind
+            os.killpg(head.pid, signal.SIGTERM)
+            head.wait(30)
+
+
+def _sigint_default() -> None:
+    """The head stops on SIGINT even when this test runs as a background job (which starts with
+    SIGINT ignored, inherited by every child)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def alive_nodes(port: int, tmp_path: Path) -> int | None:
