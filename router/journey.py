@@ -79,15 +79,3 @@ def _ended(j: Journey, stream: Stream, tokenizer: RouterTokenizer) -> str | None
                              or (not j.sampling.ignore_eos and last in tokenizer.eos_token_ids)):
         return "stop"
     return None
-
-
-def _ended(j: Journey, stream: Stream, tokenizer: RouterTokenizer) -> str | None:
-    """The finish reason the lost worker would have sent, when the client already has the
-    request's last token: max_tokens reached, or a stop / end-of-sequence token."""
-    if len(stream.generated) >= j.sampling.max_tokens:
-        return "length"
-    last = stream.generated[-1] if stream.generated else None
-    if last is not None and (last in j.sampling.stop_token_ids
-                             or (not j.sampling.ignore_eos and last in tokenizer.eos_token_ids)):
-        return "stop"
-    return None
