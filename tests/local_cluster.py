@@ -6,6 +6,7 @@ fixture: nothing shipped imports it."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import threading
 import time
@@ -25,10 +26,36 @@ from router.worker_pool import WorkerEndpoint
 from tests.fault_injection import crash_tap
 
 
-def free_port() -> int:
+# Ports handed to tests come from below the kernel's ephemeral range (32768-60999 on Linux) and
+# above Ray's worker ports (10002-19999): a port the kernel picked for us stays free only until
+# its next ephemeral bind, and gloo, Ray and every outgoing connection bind ephemeral ports all
+# the time (CI once lost decode-0's command port to one). Each call takes a fresh block of
+# _BLOCK ports, because configs use base_port + worker index; the random start keeps two test
+# processes on one machine apart.
+_FIRST_PORT, _LAST_PORT, _BLOCK = 20000, 32000, 8
+_next_port = _FIRST_PORT + random.Random().randrange(0, _LAST_PORT - _FIRST_PORT, _BLOCK)
+_port_lock = threading.Lock()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on, with the _BLOCK - 1 ports after it free too."""
+    global _next_port
+    with _port_lock:
+        for _ in range((_LAST_PORT - _FIRST_PORT) // _BLOCK):
+            port = _next_port
+            _next_port = port + _BLOCK if port + 2 * _BLOCK <= _LAST_PORT else _FIRST_PORT
+            if all(_bindable(p) for p in range(port, port + _BLOCK)):
+                return port
+    raise RuntimeError(f"no {_BLOCK} free ports in a row between {_FIRST_PORT} and {_LAST_PORT}")
 
 
 class LocalCluster:
