@@ -25,7 +25,6 @@ from router.server import Router
 from router.worker_pool import WorkerEndpoint
 from tests.fault_injection import crash_tap
 
-
 # Ports handed to tests come from below the kernel's ephemeral range (32768-60999 on Linux) and
 # above Ray's worker ports (10002-19999): a port the kernel picked for us stays free only until
 # its next ephemeral bind, and gloo, Ray and every outgoing connection bind ephemeral ports all
