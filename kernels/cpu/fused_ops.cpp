@@ -16,6 +16,12 @@
 namespace {
 
 using pdserve::dispatch_dtype;
+using pdserve::exp8;
+using pdserve::hsum;
+using pdserve::load8;
+using pdserve::round8;
+using pdserve::store8;
+using pdserve::v8f;
 
 // Rows per parallel task: enough work to be worth a thread hand-off.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
@@ -39,23 +45,27 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
       for (int64_t t = begin; t < end; ++t) {
         scalar_t* xr = xp + t * h;
         scalar_t* rr = rp + t * h;
-        float sq = 0.f;
-        for (int64_t i = 0; i < h; ++i) {
-          const scalar_t sum = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-          rr[i] = sum;  // rounded to the model dtype, as torch's add would
-          const float v = static_cast<float>(sum);
-          sq += v * v;
+        // Eight lanes at a time, then a scalar tail; the sum of squares is accumulated per
+        // lane, so its order differs from torch's by float rounding only.
+        const int64_t h8 = h - h % 8;
+        v8f sq8{};
+        for (int64_t i = 0; i < h8; i += 8) {
+          const v8f sum = round8(tag, load8(xr + i) + load8(rr + i));  // rounded as torch's add
+          store8(rr + i, sum);
+          sq8 += sum * sum;
+        }
+        float sq = hsum(sq8);
+        for (int64_t i = h8; i < h; ++i) {
+          rr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+          sq += static_cast<float>(rr[i]) * static_cast<float>(rr[i]);
         }
         const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
-        for (int64_t i = 0; i < h; ++i) {
-          // fp32 models: weight * (x * inv) as F.rms_norm; reduced precision: normalise in
-          // fp32, round, then scale (engine/model/layers.py RMSNorm).
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            xr[i] = static_cast<float>(rr[i]) * inv * static_cast<float>(wp[i]);
-          } else {
-            const scalar_t normed = static_cast<scalar_t>(static_cast<float>(rr[i]) * inv);
-            xr[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
-          }
+        // fp32 models: weight * (x * inv) as F.rms_norm; reduced precision: normalise in fp32,
+        // round, then scale (engine/model/layers.py RMSNorm).
+        for (int64_t i = 0; i < h8; i += 8) store8(xr + i, load8(wp + i) * round8(tag, load8(rr + i) * inv));
+        for (int64_t i = h8; i < h; ++i) {
+          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(rr[i]) * inv);
+          xr[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
         }
       }
     });
@@ -114,9 +124,15 @@ at::Tensor silu_mul(at::Tensor gate_up) {
         const scalar_t* g = ip + t * 2 * width;
         const scalar_t* u = g + width;
         scalar_t* o = op + t * width;
-        for (int64_t i = 0; i < width; ++i) {
+        int64_t i = 0;
+        for (; i + 8 <= width; i += 8) {
+          const v8f x = load8(g + i);
+          const v8f act = round8(tag, x / (1.f + exp8(-x)));  // F.silu, rounded to the dtype
+          store8(o + i, act * load8(u + i));
+        }
+        for (; i < width; ++i) {
           const float x = static_cast<float>(g[i]);
-          const scalar_t act = static_cast<scalar_t>(x / (1.f + std::exp(-x)));  // F.silu, rounded
+          const scalar_t act = static_cast<scalar_t>(x / (1.f + std::exp(-x)));
           o[i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(u[i]));
         }
       }

@@ -14,9 +14,10 @@
 // differ in cost and a static split would leave a core idle.
 //
 // Per item: queries are scaled and widened to fp32 once; pass 1 walks the pages (prefetching
-// pages ahead into L2, since pages lie anywhere in the cache) and scores eight keys at a time per
-// row, reducing the eight dot products with one transpose-and-add tree; an exact softmax per
-// row (fp32); pass 2 walks the pages again and adds p * v rows (vectorised across d).
+// pages ahead into L2, since pages lie anywhere in the cache) and scores eight keys at a time for
+// two rows at once, reducing the eight dot products with one transpose-and-add tree; an exact
+// softmax per row (fp32); pass 2 walks the pages again and adds p * v rows (vectorised across
+// d). A prefill tile widens each bf16/fp16 page slice to fp32 once for all its rows.
 // Nothing is gathered or padded.
 
 #include <ATen/ATen.h>
@@ -34,7 +35,7 @@
 namespace {
 
 using pdserve::dispatch_dtype;
-using pdserve::exp8_nonpositive;
+using pdserve::exp8;
 using pdserve::hmax;
 using pdserve::hsum;
 using pdserve::load8;
@@ -73,6 +74,86 @@ inline void prefetch_page(const void* base, int64_t n, int64_t token_stride_byte
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + j * token_stride_bytes + b, 0, 1);  // to L2
 }
 
+// One head's slice of a page: `stride` elements between consecutive tokens.
+template <typename T>
+struct PageSlice {
+  const T* base;
+  int64_t stride;
+  PageSlice from(int64_t token) const { return {base + token * stride, stride}; }
+};
+
+// The slice as fp32 rows: the cache itself when it is fp32, else widened once into `buffer`
+// (bf16/fp16), so the many query rows of a prefill tile never widen a key again (bf16 prefill
+// attention ran 2x faster so). A decode item's few rows read the cache directly instead:
+// widening would add a pass over memory-bound data.
+template <int NV>
+PageSlice<float> widen_page(const float* page, int64_t, int64_t tok_stride, std::vector<float>&) {
+  return {page, tok_stride};
+}
+template <int NV, typename scalar_t>
+PageSlice<float> widen_page(const scalar_t* page, int64_t n, int64_t tok_stride, std::vector<float>& buffer) {
+  constexpr int64_t d = NV * 8;
+  if (static_cast<int64_t>(buffer.size()) < n * d) buffer.resize(n * d);
+  for (int64_t j = 0; j < n; ++j)
+    for (int c = 0; c < NV; ++c) {
+      const v8f v = load8(page + j * tok_stride + 8 * c);
+      std::memcpy(buffer.data() + j * d + 8 * c, &v, sizeof(v));
+    }
+  return {buffer.data(), d};
+}
+
+// scores[row][j] = q_row . k_j for R consecutive rows (queries `q`, NV vectors each; score rows
+// `row_len` apart) and the page's n keys, eight keys at a time: each key vector is loaded once for
+// all R rows. R x 8 accumulators plus R x NV query vectors should fit the register file (R = 2
+// at head_dim 64 spills a few, and still beat one row at a time on bf16 prefill tiles).
+template <int NV, int R, typename T>
+inline void score_rows(const PageSlice<T>& k, int64_t n, const v8f* q, float* scores, int64_t row_len) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8f s[R][8];
+    for (int i = 0; i < 8; ++i) {
+      const T* krow = k.base + (j + i) * k.stride;
+      const v8f k0 = load8(krow);
+      for (int r = 0; r < R; ++r) s[r][i] = q[r * NV] * k0;
+      for (int c = 1; c < NV; ++c) {
+        const v8f kc = load8(krow + 8 * c);
+        for (int r = 0; r < R; ++r) s[r][i] += q[r * NV + c] * kc;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const v8f block = sum8(s[r]);
+      std::memcpy(scores + r * row_len + j, &block, sizeof(block));
+    }
+  }
+  for (; j < n; ++j) {
+    const T* krow = k.base + j * k.stride;
+    for (int r = 0; r < R; ++r) {
+      v8f a = q[r * NV] * load8(krow);
+      for (int c = 1; c < NV; ++c) a += q[r * NV + c] * load8(krow + 8 * c);
+      scores[r * row_len + j] = hsum(a);
+    }
+  }
+}
+
+// acc[row] += sum_j w[row][j] * v_j over the page's first m values, for R consecutive rows
+// (weights `row_len` apart, accumulators NV vectors each): each value vector is loaded once
+// for all R rows.
+template <int NV, int R, typename T>
+inline void accumulate_rows(const PageSlice<T>& v, int64_t m, const float* w, int64_t row_len, v8f* acc) {
+  v8f a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) a[r][c] = acc[r * NV + c];
+  for (int64_t j = 0; j < m; ++j) {
+    const T* vrow = v.base + j * v.stride;
+    for (int c = 0; c < NV; ++c) {
+      const v8f vc = load8(vrow + 8 * c);
+      for (int r = 0; r < R; ++r) a[r][c] += w[r * row_len + j] * vc;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r * NV + c] = a[r][c];
+}
+
 // One work item with NV = head_dim / 8 vectors per row (a template, so rows live in registers).
 // Row r of the item is (query qi, group member g): r = qi * group + g.
 template <typename scalar_t, int NV>
@@ -81,7 +162,7 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
                  int64_t table_stride, const int32_t* query_start_loc, const int32_t* context_lens,
                  scalar_t* out, int64_t group, int64_t page_size, int64_t kv_heads, float scale,
                  std::vector<v8f>& qf, std::vector<float>& scores, std::vector<v8f>& acc,
-                 std::vector<int64_t>& limits) {
+                 std::vector<int64_t>& limits, std::vector<float>& page_f) {
   constexpr int64_t d = NV * 8;
   const int64_t n_q = it.q_end - it.q_begin;
   const int64_t rows = n_q * group;
@@ -126,30 +207,24 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
     if (p + kPrefetchPages < num_pages)
       prefetch_page(page_base(k_cache, p + kPrefetchPages), page_tokens(p + kPrefetchPages),
                     tok_stride * sizeof(scalar_t), slice_bytes);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (limits[r] <= t0) continue;  // causal: the whole page is in the row's future
-      const scalar_t* kp = page_base(k_cache, p);
-      const v8f* qr = qf.data() + r * NV;
-      float* srow = scores.data() + r * row_len + t0;
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) {
-        v8f s[8];
-        for (int i = 0; i < 8; ++i) {
-          const scalar_t* krow = kp + (j + i) * tok_stride;
-          v8f a = qr[0] * load8(krow);
-          for (int c = 1; c < NV; ++c) a += qr[c] * load8(krow + 8 * c);
-          s[i] = a;
+    // Two rows at a time share each key load; rows are in query order, so when row r sees
+    // the page, row r + 1 does too.
+    auto score_page = [&](const auto& kp) {
+      int64_t r = 0;
+      for (; r + 1 < rows; r += 2) {
+        if (limits[r] <= t0) {  // causal: the page is in row r's future (r + 1 may still see it)
+          if (limits[r + 1] > t0)
+            score_rows<NV, 1>(kp, n, qf.data() + (r + 1) * NV, scores.data() + (r + 1) * row_len + t0, row_len);
+          continue;
         }
-        const v8f block = sum8(s);
-        std::memcpy(srow + j, &block, sizeof(block));
+        score_rows<NV, 2>(kp, n, qf.data() + r * NV, scores.data() + r * row_len + t0, row_len);
       }
-      for (; j < n; ++j) {
-        const scalar_t* krow = kp + j * tok_stride;
-        v8f a = qr[0] * load8(krow);
-        for (int c = 1; c < NV; ++c) a += qr[c] * load8(krow + 8 * c);
-        srow[j] = hsum(a);
-      }
-    }
+      if (r < rows && limits[r] > t0) score_rows<NV, 1>(kp, n, qf.data() + r * NV, scores.data() + r * row_len + t0, row_len);
+    };
+    if (n_q == 1)
+      score_page(PageSlice<scalar_t>{page_base(k_cache, p), tok_stride});
+    else
+      score_page(widen_page<NV>(page_base(k_cache, p), n, tok_stride, page_f));
   }
 
   // Softmax per row over its visible keys, eight scores at a time (unnormalised; the sum's
@@ -166,7 +241,7 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
     for (int64_t t = lim8; t < lim; ++t) m = std::max(m, s[t]);
     v8f sv{};
     for (int64_t t = 0; t < lim8; t += 8) {
-      const v8f e = exp8_nonpositive(load8(s + t) - m);
+      const v8f e = exp8(load8(s + t) - m);
       std::memcpy(s + t, &e, sizeof(e));
       sv += e;
     }
@@ -187,19 +262,28 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
     if (p + kPrefetchPages < num_pages)
       prefetch_page(page_base(v_cache, p + kPrefetchPages), page_tokens(p + kPrefetchPages),
                     tok_stride * sizeof(scalar_t), slice_bytes);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t m = std::min(n, limits[r] - t0);
-      if (m <= 0) continue;
-      const scalar_t* vp = page_base(v_cache, p);
-      const float* w = scores.data() + r * row_len + t0;
-      v8f a[NV];
-      for (int c = 0; c < NV; ++c) a[c] = acc[r * NV + c];
-      for (int64_t j = 0; j < m; ++j) {
-        const scalar_t* vrow = vp + j * tok_stride;
-        for (int c = 0; c < NV; ++c) a[c] += w[j] * load8(vrow + 8 * c);
+    auto accumulate_page = [&](const auto& vp) {
+      int64_t r = 0;
+      for (; r + 1 < rows; r += 2) {  // two rows share each value load, as in pass 1
+        const int64_t m0 = std::min(n, limits[r] - t0), m1 = std::min(n, limits[r + 1] - t0);
+        if (m0 > 0) {
+          accumulate_rows<NV, 2>(vp, m0, scores.data() + r * row_len + t0, row_len, acc.data() + r * NV);
+          if (m1 > m0)
+            accumulate_rows<NV, 1>(vp.from(m0), m1 - m0, scores.data() + (r + 1) * row_len + t0 + m0, row_len,
+                                   acc.data() + (r + 1) * NV);
+        } else if (m1 > 0) {
+          accumulate_rows<NV, 1>(vp, m1, scores.data() + (r + 1) * row_len + t0, row_len, acc.data() + (r + 1) * NV);
+        }
       }
-      for (int c = 0; c < NV; ++c) acc[r * NV + c] = a[c];
-    }
+      if (r < rows) {
+        const int64_t m = std::min(n, limits[r] - t0);
+        if (m > 0) accumulate_rows<NV, 1>(vp, m, scores.data() + r * row_len + t0, row_len, acc.data() + r * NV);
+      }
+    };
+    if (n_q == 1)
+      accumulate_page(PageSlice<scalar_t>{page_base(v_cache, p), tok_stride});
+    else
+      accumulate_page(widen_page<NV>(page_base(v_cache, p), n, tok_stride, page_f));
   }
 
   const int64_t heads = kv_heads * group;
@@ -234,10 +318,11 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
     std::vector<v8f> qf, acc;
     std::vector<float> scores;
     std::vector<int64_t> limits;
+    std::vector<float> page_f;
     for (int64_t i = next++; i < num_items; i = next++) {
       attend_item<scalar_t, NV>(items[i], q, query.stride(0), query.stride(1), kc, vc, table, page_table.size(1),
                                 starts, lens, o, group, k_cache.size(1), kv_heads, static_cast<float>(scale), qf,
-                                scores, acc, limits);
+                                scores, acc, limits, page_f);
     }
   });
 }

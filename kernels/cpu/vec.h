@@ -43,13 +43,14 @@ inline float hmax(v8f v) {
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-// e^x for x <= 0 (softmax weights after subtracting the row max), eight lanes at a time:
-// x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial (truncation < 2e-7
-// relative, about one ulp), 2^n built in the exponent bits. Inputs below -87 give ~0, never a
-// denormal. glibc's scalar expf cost ~25 cycles a score; this is a few per lane.
-inline v8f exp8_nonpositive(v8f x) {
-  const v8f lo = v8f{} - 87.0f;
+// e^x, eight lanes at a time: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor
+// polynomial (truncation < 2e-7 relative, about one ulp), 2^n built in the exponent bits. x is
+// clamped to [-87, 88]: below, ~0 and never a denormal; above, e^88 is still a finite float.
+// glibc's scalar expf cost ~25 cycles a call; this is a few per lane.
+inline v8f exp8(v8f x) {
+  const v8f lo = v8f{} - 87.0f, hi = v8f{} + 88.0f;
   x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
   const v8f t = x * 1.44269504088896341f;
   const v8f n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
   const v8f r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;  // ln2 in two parts
@@ -65,6 +66,40 @@ inline v8f exp8_nonpositive(v8f x) {
   return p * scale;
 }
 
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+// Stores eight fp32 lanes in the cache dtype, rounded to nearest-even as torch's casts are
+// (NaN stays a quiet NaN), vectorised: c10's scalar bf16 cast is a branchy call per element.
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8u bf16_bits8(v8f v) {  // the rounded bf16 in the high half of each lane
+  v8u bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const v8u rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  return v == v ? rounded : v8u{} + 0x7FC00000u;
+}
+inline void store8(c10::BFloat16* p, v8f v) {
+  const v8u bits = bf16_bits8(v) >> 16;
+  uint16_t out[8];
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint16_t>(bits[i]);
+  std::memcpy(p, out, sizeof(out));
+}
+inline void store8(c10::Half* p, v8f v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::Half>(v[i]);
+}
+
+// v rounded to scalar_t and widened back: the value torch holds after an op in that dtype.
+inline v8f round8(float, v8f v) { return v; }
+inline v8f round8(c10::BFloat16, v8f v) {
+  const v8u bits = bf16_bits8(v);
+  v8f out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+inline v8f round8(c10::Half, v8f v) {
+  c10::Half h[8];
+  store8(h, v);
+  return load8(h);
+}
 
 // The dtypes served: fp32, bf16 and fp16 (kernels compute in fp32 whatever they read).
 template <typename F>
