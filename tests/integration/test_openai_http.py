@@ -146,11 +146,20 @@ def test_deeply_nested_json_is_400_not_500(served):
     assert info.value.code == 400 and "nested too deeply" in json.loads(info.value.read())["error"]["message"]
 
 
+def scrape_metrics(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_disconnects_aborts_its_request(served, stream):
-    """Streaming or not, a client gone mid-generation frees the request everywhere within a
-    second; it is not generated to the end."""
+    """Streaming or not, a client gone mid-generation ends its request as CANCELLED and frees it
+    everywhere; it is not generated to the end (2,000 tokens). Measured here in ~10 ms; the
+    bound is loose because a loaded 2-core CI machine once took a second."""
     cluster, _, port = served
+    before = scrape_metrics(port)
     body = json.dumps({"model": MODEL, "prompt": [0, 5, 6], "max_tokens": 2000, "ignore_eos": True,
                        "stream": stream}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
@@ -163,25 +172,23 @@ def test_a_client_that_disconnects_aborts_its_request(served, stream):
         time.sleep(0.2)
     gone = time.monotonic()
     while cluster.router.num_in_flight:
-        assert time.monotonic() - gone < 1.0, "the request outlived its client"
+        assert time.monotonic() - gone < 5.0, "the request outlived its client"
         time.sleep(0.01)
-    cluster.wait_pages_free(timeout_s=1.0)
+    cluster.wait_pages_free(timeout_s=5.0)
+    after = scrape_metrics(port)
+    assert after.get('pdserve_request_errors_total{status="CANCELLED"}', 0) - \
+        before.get('pdserve_request_errors_total{status="CANCELLED"}', 0) == 1
+    assert after.get('pdserve_requests_finished_total{finish_reason="length"}', 0) == \
+        before.get('pdserve_requests_finished_total{finish_reason="length"}', 0)
 
 
 def test_metrics_after_traffic(served):
     cluster, client, port = served
-
-    def scrape() -> dict[str, float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
-
-    before = scrape()
+    before = scrape_metrics(port)
     client.completions.create(model=MODEL, prompt=[0, 5, 6, 7], max_tokens=5, extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="x", max_tokens=5, temperature=-1)
-    after = scrape()
+    after = scrape_metrics(port)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
