@@ -17,7 +17,8 @@
 // pages ahead into L2, since pages lie anywhere in the cache) and scores eight keys at a time for
 // two rows at once, reducing the eight dot products with one transpose-and-add tree; an exact
 // softmax per row (fp32); pass 2 walks the pages again and adds p * v rows (vectorised across
-// d). A prefill tile widens each bf16/fp16 page slice to fp32 once for all its rows.
+// d). A prefill tile widens each bf16/fp16 page slice to fp32 once for all its rows; where the
+// CPU has AVX512-BF16, bf16 keys are scored in bf16 pairs directly (VDPBF16PS).
 // Nothing is gathered or padded.
 
 #include <ATen/ATen.h>
@@ -25,7 +26,15 @@
 
 #include "vec.h"
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PDSERVE_DOT_BF16 1  // VDPBF16PS: bf16 pairs multiplied exactly, summed in fp32
+#else
+#define PDSERVE_DOT_BF16 0
+#endif
+
 #include <algorithm>
+#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -135,6 +144,47 @@ inline void score_rows(const PageSlice<T>& k, int64_t n, const v8f* q, float* sc
   }
 }
 
+#if PDSERVE_DOT_BF16
+// score_rows for bf16 queries and keys on CPUs with AVX512-BF16: VDPBF16PS multiplies 16 bf16
+// pairs exactly and adds them into 8 fp32 lanes, so keys need no widening and one instruction
+// does the work of two FMAs. The queries come unscaled (bf16 rows `q`); the scale is applied
+// to the sums. Same products as the fp32 path; the sums differ by float rounding only.
+template <int NV, int R>
+inline void score_rows_dot_bf16(const PageSlice<c10::BFloat16>& k, int64_t n, const c10::BFloat16* const* q,
+                                float scale, float* scores, int64_t row_len) {
+  static_assert(NV % 2 == 0, "head_dim must be a multiple of 16");
+  constexpr int NH = NV / 2;  // vectors of 16 bf16 per row
+  __m256bh qv[R][NH];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NH; ++c) qv[r][c] = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + 16 * c));
+  auto dot = [&](const c10::BFloat16* krow, __m256* a) {
+    for (int r = 0; r < R; ++r) a[r] = _mm256_setzero_ps();
+    for (int c = 0; c < NH; ++c) {
+      const __m256bh kc = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(krow + 16 * c));
+      for (int r = 0; r < R; ++r) a[r] = _mm256_dpbf16_ps(a[r], qv[r][c], kc);
+    }
+  };
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    v8f s[R][8];
+    for (int i = 0; i < 8; ++i) {
+      __m256 a[R];
+      dot(k.base + (j + i) * k.stride, a);
+      for (int r = 0; r < R; ++r) s[r][i] = (v8f)a[r];
+    }
+    for (int r = 0; r < R; ++r) {
+      const v8f block = sum8(s[r]) * scale;
+      std::memcpy(scores + r * row_len + j, &block, sizeof(block));
+    }
+  }
+  for (; j < n; ++j) {
+    __m256 a[R];
+    dot(k.base + j * k.stride, a);
+    for (int r = 0; r < R; ++r) scores[r * row_len + j] = hsum((v8f)a[r]) * scale;
+  }
+}
+#endif
+
 // acc[row] += sum_j w[row][j] * v_j over the page's first m values, for R consecutive rows
 // (weights `row_len` apart, accumulators NV vectors each): each value vector is loaded once
 // for all R rows.
@@ -183,10 +233,13 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
   scores.resize(rows * row_len);
   acc.assign(rows * NV, v8f{});
   limits.resize(rows);
+  auto q_row = [&](int64_t r) {  // row r's query, as the caller passed it
+    return q + (it.q_begin + r / group) * q_tok_stride + (it.kv_head * group + r % group) * q_head_stride;
+  };
   for (int64_t qi = 0; qi < n_q; ++qi) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t r = qi * group + g;
-      const scalar_t* src = q + (it.q_begin + qi) * q_tok_stride + (it.kv_head * group + g) * q_head_stride;
+      const scalar_t* src = q_row(r);
       for (int c = 0; c < NV; ++c) qf[r * NV + c] = load8(src + 8 * c) * scale;
       limits[r] = first_pos + (it.q_begin - seq_begin) + qi + 1;
     }
@@ -208,19 +261,35 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
       prefetch_page(page_base(k_cache, p + kPrefetchPages), page_tokens(p + kPrefetchPages),
                     tok_stride * sizeof(scalar_t), slice_bytes);
     // Two rows at a time share each key load; rows are in query order, so when row r sees
-    // the page, row r + 1 does too.
-    auto score_page = [&](const auto& kp) {
+    // the page, row r + 1 does too. score(r, R) scores rows r .. r + R - 1.
+    auto each_row_block = [&](auto&& score) {
       int64_t r = 0;
       for (; r + 1 < rows; r += 2) {
         if (limits[r] <= t0) {  // causal: the page is in row r's future (r + 1 may still see it)
-          if (limits[r + 1] > t0)
-            score_rows<NV, 1>(kp, n, qf.data() + (r + 1) * NV, scores.data() + (r + 1) * row_len + t0, row_len);
+          if (limits[r + 1] > t0) score(r + 1, std::integral_constant<int, 1>{});
           continue;
         }
-        score_rows<NV, 2>(kp, n, qf.data() + r * NV, scores.data() + r * row_len + t0, row_len);
+        score(r, std::integral_constant<int, 2>{});
       }
-      if (r < rows && limits[r] > t0) score_rows<NV, 1>(kp, n, qf.data() + r * NV, scores.data() + r * row_len + t0, row_len);
+      if (r < rows && limits[r] > t0) score(r, std::integral_constant<int, 1>{});
     };
+    auto score_page = [&](const auto& kp) {
+      each_row_block([&](int64_t r, auto R) {
+        score_rows<NV, decltype(R)::value>(kp, n, qf.data() + r * NV, scores.data() + r * row_len + t0, row_len);
+      });
+    };
+#if PDSERVE_DOT_BF16
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      const PageSlice<scalar_t> kp{page_base(k_cache, p), tok_stride};
+      each_row_block([&](int64_t r, auto R) {
+        constexpr int kR = decltype(R)::value;
+        const scalar_t* rows_q[kR];
+        for (int i = 0; i < kR; ++i) rows_q[i] = q_row(r + i);
+        score_rows_dot_bf16<NV, kR>(kp, n, rows_q, scale, scores.data() + r * row_len + t0, row_len);
+      });
+      continue;
+    }
+#endif
     if (n_q == 1)
       score_page(PageSlice<scalar_t>{page_base(k_cache, p), tok_stride});
     else
