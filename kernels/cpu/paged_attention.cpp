@@ -34,11 +34,11 @@
 #endif
 
 #include <algorithm>
-#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
