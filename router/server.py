@@ -204,6 +204,7 @@ class Router:
 
         ttft = None
         num_tokens = 0
+        finished = False
         try:
             async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings,
                                               on_dispatch=dispatched, gate=self.prefill_gate):
@@ -223,12 +224,19 @@ class Router:
                     self.log.event("finished", rid, finish_reason=reason, completion_tokens=num_tokens,
                                    cached_prompt_tokens=response.usage.cached_prompt_tokens,
                                    e2e_s=round(now - start, 6))
+                    finished = True
                 yield response
         except RouterError as exc:
             self._failed(rid, exc.code, str(exc), admitted=True)
             raise
         except asyncio.CancelledError:
             self._failed(rid, grpc.StatusCode.CANCELLED, "cancelled by the client", admitted=True)
+            raise
+        except GeneratorExit:
+            # The consumer closed the stream: an HTTP handler whose write to a gone client raised
+            # (rather than being cancelled) lands here. Before the finish that is a cancellation too.
+            if not finished:
+                self._failed(rid, grpc.StatusCode.CANCELLED, "the client went away", admitted=True)
             raise
         finally:
             self._live_ids.discard(rid)

@@ -182,6 +182,30 @@ def test_a_client_that_disconnects_aborts_its_request(served, stream):
         before.get('pdserve_requests_finished_total{finish_reason="length"}', 0)
 
 
+def test_a_stream_closed_before_its_finish_counts_as_cancelled(served):
+    """The path the disconnect test takes when aiohttp's write to the gone client raises instead
+    of cancelling the handler: the handler's aclosing closes the journey. Closed before its
+    finish it is CANCELLED; closed after it (an HTTP handler always closes) it is not."""
+    cluster, _, port = served
+
+    async def consume(until_finish: bool) -> None:
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5, 6]),
+                                 sampling=pb.SamplingParams(max_tokens=40 if until_finish else 2000, ignore_eos=True))
+        responses = cluster.router.run(req)
+        async for r in responses:
+            if not until_finish or r.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                break
+        await responses.aclose()
+
+    key = 'pdserve_request_errors_total{status="CANCELLED"}'
+    for until_finish, cancelled in ((False, 1), (True, 0)):
+        before = scrape_metrics(port).get(key, 0)
+        asyncio.run_coroutine_threadsafe(consume(until_finish), cluster.loop).result(60)
+        cluster.wait_pages_free(timeout_s=5.0)
+        assert cluster.router.num_in_flight == 0
+        assert scrape_metrics(port).get(key, 0) - before == cancelled
+
+
 def test_metrics_after_traffic(served):
     cluster, client, port = served
     before = scrape_metrics(port)
