@@ -96,6 +96,14 @@ def paged_attention(
     return _require().paged_attention(query, k_cache, v_cache, page_table, query_start_loc, context_lens, scale)
 
 
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_table: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence ([num_seqs, num_heads, head_dim]), with the arguments of
+    kernels.reference.paged_decode_attention: `paged_attention` with one-token sequences."""
+    starts = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(query, k_cache, v_cache, page_table, starts, context_lens, scale)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter each token's key/value into its slot (negative slots are skipped), in place."""

@@ -34,15 +34,6 @@ def store_kv(
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def expand_kv_heads(x: torch.Tensor, num_heads: int, head_dim_axis: int = -3) -> torch.Tensor:
-    """Repeats each KV head for its query-head group (GQA). SDPA's own `enable_gqa` would do
-    this, but on CPU it falls back to the slow math kernel; an explicit copy keeps the fused one."""
-    num_kv_heads = x.shape[head_dim_axis]
-    if num_kv_heads == num_heads:
-        return x
-    return x.repeat_interleave(num_heads // num_kv_heads, dim=head_dim_axis)
-
-
 def gather_kv(
     cache: torch.Tensor,  # [num_pages, page_size, num_kv_heads, head_dim]
     page_table: torch.Tensor,  # [num_seqs, max_pages]
@@ -93,13 +84,21 @@ def fresh_prompt_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of one prompt over itself, from the K/V in hand (no cached context)."""
-    num_heads = query.shape[1]
+    return _sdpa(query, key, value, None, scale)
+
+
+def _sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+          scale: float) -> torch.Tensor:  # [q_len, h, d]
+    """Token-major [len, heads, d] tensors through torch's fused SDPA: causal when `mask` is
+    None (a whole prompt, square), else under the boolean [q_len, S] mask. On CPU that is the
+    flash kernel, which multiplies with AMX where the CPU has it (bf16 on such a CPU: 3-4x the
+    compiled kernel of kernels/cpu/, see engine/model/attention.py). The inputs go in 4-D
+    ([1, h, len, d]: CPU SDPA takes its slow path otherwise); `enable_gqa` shares each KV head
+    with its query-head group without copying it (as fast as a repeated copy, or faster, on
+    torch 2.13)."""
     return F.scaled_dot_product_attention(
-        query.transpose(0, 1)[None],  # [1, h, T, d]: 4-D, or CPU SDPA takes its slow path
-        expand_kv_heads(key.transpose(0, 1), num_heads)[None],
-        expand_kv_heads(value.transpose(0, 1), num_heads)[None],
-        is_causal=True,
-        scale=scale,
+        query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
     )[0].transpose(0, 1)
 
 
@@ -130,14 +129,9 @@ def paged_prefill_attention(
         pages = page_table[b, :num_pages].long()
         keys = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:ctx_len].to(query.dtype)
         values = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:ctx_len].to(query.dtype)
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
-        mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, S]
-        # 4-D [1, h, len, d] inputs: CPU SDPA only takes its fused kernel for 4-D tensors.
-        out[starts[b] : starts[b + 1]] = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],  # [1, h, q_len, d]
-            expand_kv_heads(keys.transpose(0, 1), q.shape[1])[None],  # [1, h, S, d]
-            expand_kv_heads(values.transpose(0, 1), q.shape[1])[None],
-            attn_mask=mask,
-            scale=scale,
-        )[0].transpose(0, 1)
+        mask = None  # a chunk with no context before it is plain causal
+        if ctx_len > q_len:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
+            mask = torch.arange(ctx_len, device=query.device)[None, :] <= q_pos[:, None]  # [q_len, S]
+        out[starts[b] : starts[b + 1]] = _sdpa(q, keys, values, mask, scale)
     return out

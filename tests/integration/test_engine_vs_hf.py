@@ -8,6 +8,7 @@ page is left referenced.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from configs import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
@@ -57,15 +58,25 @@ def test_single_prompt_matches_hf(llm, hf_tiny):
     assert_no_page_leak(llm.engine)
 
 
-# `auto` on CPU is the compiled kernel (kernels/cpu_ops.py); `torch` is its fallback path.
-CPU_BACKENDS = ["auto", "torch"]
+# `auto` on CPU is the compiled kernel (kernels/cpu_ops.py); `torch` is its fallback path;
+# `cpu+sdpa` is the compiled kernel for decodes with prefill chunks on torch's SDPA, the split
+# the cpu backend makes for bf16 on AMX CPUs (engine/model/attention.py), forced here for every
+# dtype so that it is tested on any CPU.
+CPU_BACKENDS = ["auto", "torch", "cpu+sdpa"]
+
+
+def engine_on(backend: str, **config) -> LLMEngine:
+    if backend != "cpu+sdpa":
+        return LLMEngine(EngineConfig(model="builtin:tiny", attention_backend=backend, **config))
+    engine = LLMEngine(EngineConfig(model="builtin:tiny", attention_backend="cpu", **config))
+    engine.model.backend.sdpa_prefill_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return engine
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_staggered_batch_of_mixed_lengths_matches_hf(hf_tiny, backend):
-    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=512,
-                                    attention_backend=backend))
-    assert engine.model.backend.name == ("cpu" if backend == "auto" else backend)
+    engine = engine_on(backend, page_size=8, max_num_batched_tokens=512)
+    assert engine.model.backend.name == ("torch" if backend == "torch" else "cpu")
     prompts = {f"r{i}": prompt_ids(engine, n, i) for i, n in enumerate([3, 250, 17, 64, 1, 129])}
     arrivals = {0: [("r0", prompts["r0"]), ("r1", prompts["r1"])], 2: [("r2", prompts["r2"])],
                 5: [("r3", prompts["r3"]), ("r4", prompts["r4"])], 11: [("r5", prompts["r5"])]}
@@ -78,8 +89,7 @@ def test_staggered_batch_of_mixed_lengths_matches_hf(hf_tiny, backend):
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_chunked_prefill_matches_hf(hf_tiny, backend):
-    engine = LLMEngine(EngineConfig(model="builtin:tiny", page_size=16, max_num_batched_tokens=48, max_num_seqs=8,
-                                    attention_backend=backend))
+    engine = engine_on(backend, page_size=16, max_num_batched_tokens=48, max_num_seqs=8)
     prompts = {"long": prompt_ids(engine, 301, 1), "longer": prompt_ids(engine, 450, 2)}
     finished = run_to_completion(engine, {0: list(prompts.items())})
     # 751 prompt tokens under a 48-token budget need at least 16 prefill steps.

@@ -214,3 +214,22 @@ def test_silu_mul_matches_torch(dtype):
     with_nan = gate_up.clone()
     with_nan[1, 3] = float("nan")
     assert cpu_ops.silu_mul(with_nan)[1, 3].isnan()  # a NaN stays NaN, never a number
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_only_entry_matches_reference(dtype):
+    """cpu_ops.paged_decode_attention: the decodes of a step whose prefill chunks go to SDPA."""
+    gen = torch.Generator().manual_seed(7)
+    query, k_cache, v_cache, table, _, lens = _paged_batch([1, 1, 1], [1, 40, 77], 16, 12, 4, 64, dtype, gen)
+    got = cpu_ops.paged_decode_attention(query, k_cache, v_cache, table, lens, 0.125)
+    want = reference.paged_decode_attention(query, k_cache, v_cache, table, lens, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_cpu_backend_sends_prefill_to_sdpa_only_for_bf16_on_amx():
+    from engine.model.attention import AttentionBackend
+
+    backend = AttentionBackend("cpu")
+    assert backend.sdpa_prefill_dtypes == ((torch.bfloat16,) if torch.cpu._is_amx_tile_supported() else ())
+    assert backend.paged_decode_attention is cpu_ops.paged_decode_attention
+    assert backend.paged_prefill_attention is reference.paged_prefill_attention
