@@ -31,6 +31,14 @@ def test_greedy_is_argmax():
     assert all(math.isnan(x) for x in logprobs)
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    """HF greedy is argmax: of equal logits the lowest token id, at every vocabulary width."""
+    logits = torch.randint(0, 3, (16, 32000), generator=gen(2)).float()
+    logits[3, 10:] = float("nan")  # NaN counts as the maximum, first one wins
+    tokens, _ = sample(logits, [SamplingParams()] * 16, [None] * 16)
+    assert tokens == logits.argmax(-1).tolist() and tokens[3] == 10
+
+
 def test_greedy_ignores_top_k_top_p_and_generator():
     logits = random_logits(3, seed=1)
     params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.1, seed=5)] * 3
