@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
+from engine import huge_pages
 from engine.model.config import ModelConfig
+
+
+def _zeroed_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed page tensor whose memory (on CPU) is faulted in as huge pages: advised before the
+    zeroing touches it (engine/huge_pages.py says why)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    huge_pages.advise(tensor)
+    return tensor.zero_()
 
 
 class KVCache:
@@ -24,8 +33,8 @@ class KVCache:
         self.layers = layers if layers is not None else range(cfg.num_layers)
         kv_heads = num_kv_heads or cfg.num_kv_heads
         shape = (num_pages, page_size, kv_heads, cfg.head_dim)  # per layer
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.k = [_zeroed_on_huge_pages(shape, dtype, device) for _ in self.layers]
+        self.v = [_zeroed_on_huge_pages(shape, dtype, device) for _ in self.layers]
 
     @staticmethod
     def pages_for_budget(cfg: ModelConfig, memory_bytes: int, page_size: int, dtype: torch.dtype) -> int:

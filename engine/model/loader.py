@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine import huge_pages
 from engine.model.attention import AttentionBackend
 from engine.model.builtin import ensure_builtin, parse_builtin
 from engine.model.compute_dtype import DTYPES  # noqa: F401  (re-exported for the benchmarks)
@@ -64,6 +65,9 @@ def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBa
 
     model.load_weights(tensors())
     model.pack_weights()
+    # Every decode step streams all the weights: onto huge pages (engine/huge_pages.py).
+    packed_output = [model.packed_output] if model.packed_output is not None else []
+    huge_pages.collapse([*model.parameters(), *packed_output])
     return model.eval()
 
 
