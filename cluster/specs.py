@@ -37,6 +37,7 @@ class WorkerSpec:
     dist_rank: int | None = None
     dist_world_size: int | None = None
     dist_store_address: str | None = None
+    dist_sources: tuple[int, ...] = ()  # decode: the prefill ranks its KV comes from (NCCL names each source)
     shard_store_address: str | None = None  # TP x PP > 1: the store its follower ranks join
     # What the router may ask for: a larger lease or transfer deadline in a message is cut to these
     # (kv_transfer.reservation_lease_s / timeout_s), so no peer can hold pages indefinitely.
@@ -75,16 +76,19 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
     worker_id = f"{role}-{index}"
     kv = config.kv_transfer
     rank = world_size = store = None
+    sources: tuple[int, ...] = ()
     if kv.transport == "torch_dist" and role != "colocated":
         ranks = config.kv_dist_ranks()
         rank, world_size, store = ranks[worker_id], len(ranks), f"{router_host}:{kv.dist_port}"
+        if role == "decode":
+            sources = tuple(r for name, r in ranks.items() if name.startswith("prefill-"))
     return WorkerSpec(
         role=role, worker_id=worker_id, engine=config.engine_config(pool), host=host,
         command_port=pool.base_port + index,
         router_event_address=f"{router_host}:{config.router.worker_event_port}",
         kv_port=pool.kv_base_port + index if role == "decode" and pool.kv_base_port is not None else None,
         kv_transport=kv.transport, kv_checksum=kv.checksum,
-        dist_rank=rank, dist_world_size=world_size, dist_store_address=store,
+        dist_rank=rank, dist_world_size=world_size, dist_store_address=store, dist_sources=sources,
         max_lease_s=kv.reservation_lease_s, max_transfer_s=kv.timeout_s,
         shard_store_address=None,  # placed groups learn their store's node first (worker_launch.py)
         metrics_port=pool.metrics_base_port + index if pool.metrics_base_port is not None else None,

@@ -148,7 +148,7 @@ class WorkerHost:
             closers.append(torch_dist.leave_group)
         if self.role == "decode":
             if spec.kv_transport == "torch_dist":
-                receiver = torch_dist.DistFrameReceiver(device)
+                receiver = torch_dist.DistFrameReceiver(spec.dist_sources, device)
             else:
                 receiver = ZmqFrameReceiver(spec.host, spec.kv_port)
                 closers.append(receiver.close)

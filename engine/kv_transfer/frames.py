@@ -63,10 +63,18 @@ def page_checksum(header: dict[str, Any], payload: memoryview | bytes) -> int:
     return zlib.crc32(payload, zlib.crc32(where.encode()))
 
 
+def host_bytes(data: torch.Tensor) -> memoryview:
+    """The tensor's bytes in host memory (bf16 travels as bytes too): a view of a contiguous CPU
+    tensor, a copy of a GPU one (`.numpy()` refuses device memory)."""
+    if data.device.type != "cpu":
+        data = data.cpu()
+    return data.contiguous().view(torch.uint8).numpy().data
+
+
 def pages_frame(request_id: str, first_page: int, data: torch.Tensor, checksum: bool, token: str = "") -> Frame:
     """Frame for `data` = KVCache.read_pages output, to land at destination index `first_page`.
     `token`: the transfer's secret from its reservation (the receiver ignores frames without it)."""
-    raw = data.contiguous().view(torch.uint8).numpy().data  # bf16 travels as bytes too
+    raw = host_bytes(data)
     header: dict[str, Any] = {
         "kind": "pages", "request_id": request_id, "first_page": first_page,
         "num_pages": int(data.shape[2]), "dtype": str(data.dtype).removeprefix("torch."),

@@ -3,8 +3,9 @@ code is tested here). Every prefill and decode worker joins one process group at
 a destination is `dist:<rank>`.
 
 A frame crosses as three messages to the same rank: sizes (int64[2]), the msgpack header,
-then the payload bytes. The receiver posts receives from any source on a thread of its own
-and queues whole frames; per-source ordering keeps a sender's three messages together.
+then the payload bytes. The receiver knows its sources (the prefill ranks) and posts receives
+from each by name, one thread per source, queueing whole frames; per-source ordering keeps a
+sender's three messages together. Receive-from-any-source is not used: NCCL rejects it.
 """
 
 from __future__ import annotations
@@ -67,18 +68,25 @@ class DistFrameSender(BaseFrameSender):
 
 
 class DistFrameReceiver(BaseFrameReceiver):
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, sources: tuple[int, ...] | list[int], device: str = "cpu") -> None:
+        """`sources`: the ranks that send KV here (every prefill worker of the group)."""
+        rank = dist.get_rank()
+        if not sources or rank in sources or not all(0 <= s < dist.get_world_size() for s in sources):
+            raise ValueError(f"KV sources {list(sources)} must be other ranks of the group of "
+                             f"{dist.get_world_size()} (this is rank {rank})")
         self.device = device
-        self.address = address_of(dist.get_rank())
+        self.address = address_of(rank)
         self._frames: queue.Queue[Frame] = queue.Queue()
-        self._thread = threading.Thread(target=self._receive_forever, name="pdserve-kv-recv", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._receive_forever, args=(src,), name=f"pdserve-kv-recv-{src}",
+                                          daemon=True) for src in sources]
+        for thread in self._threads:
+            thread.start()
 
-    def _receive_forever(self) -> None:
+    def _receive_forever(self, src: int) -> None:
         try:
             while True:
                 sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-                src = dist.recv(sizes)  # from any rank
+                dist.recv(sizes, src)
                 header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
                 dist.recv(header, src)
                 payload: memoryview | bytes = b""

@@ -76,6 +76,7 @@ def test_torch_dist_workers_get_their_rank_in_the_kv_group():
              (("prefill", 0), ("prefill", 1), ("decode", 0))]
     assert [(s.dist_rank, s.dist_world_size) for s in ranks] == [(0, 3), (1, 3), (2, 3)]
     assert {s.dist_store_address for s in ranks} == {"10.0.0.5:52500"}
+    assert [s.dist_sources for s in ranks] == [(), (), (0, 1)]  # decode receives from the prefill ranks by name
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -1,0 +1,103 @@
+"""The torch.distributed KV transport on gloo (the same code runs NCCL on GPUs): a decode rank
+receives from the prefill ranks it names, never from "any source" (NCCL rejects that), and
+page frames are built from device memory through a host copy, not `.numpy()` on the device."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+
+import pytest
+import torch
+
+from engine.kv_transfer.frames import page_checksum, pages_frame
+from tests.local_cluster import free_port
+
+WORLD = 3  # ranks 0 and 1 prefill, rank 2 decode
+PAGES = (2, 1, 1, 4, 1, 8)  # KVCache.read_pages layout: [2, layers, kv_heads, pages, page_size, d]
+
+
+def _rank_main(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from engine.kv_transfer import torch_dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch_dist.join_group(rank, WORLD, f"127.0.0.1:{port}", "gloo", timeout_s=60)
+    try:
+        if rank < 2:
+            sender = torch_dist.DistFrameSender(torch_dist.address_of(2))
+            for page in range(3):
+                data = torch.full(PAGES, float(10 * rank + page))
+                sender.send(pages_frame(f"r{rank}", page, data, checksum=True))
+        else:
+            errors = []
+            for bad in ([], [2], [0, 5]):
+                try:
+                    torch_dist.DistFrameReceiver(bad)
+                except ValueError as exc:
+                    errors.append(str(exc))
+            receiver = torch_dist.DistFrameReceiver([0, 1])
+            frames = []
+            while len(frames) < 6:
+                frames += receiver.recv(1.0)
+            got = sorted((f.header["request_id"], f.header["first_page"], torch.frombuffer(
+                bytearray(f.payload), dtype=torch.float32).unique().tolist(), page_checksum(f.header, f.payload)
+                == f.header["crc32"]) for f in frames)
+            results.put((errors, got))
+        dist.barrier()
+    finally:
+        torch_dist.leave_group()
+
+
+def test_decode_rank_receives_from_the_prefill_ranks_it_names():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, results)) for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        errors, got = results.get(timeout=90)
+    except queue.Empty:
+        pytest.fail("the decode rank received no frames")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert len(errors) == 3 and all("must be other ranks of the group of 3" in e for e in errors)
+    assert got == [(f"r{rank}", page, [float(10 * rank + page)], True) for rank in (0, 1) for page in range(3)]
+    # The prefill ranks leave cleanly. The decode rank is not checked: its receive threads are
+    # still blocked in gloo's recv when the group is torn down, which ends that process
+    # ("terminate called"); a worker does that only when it stops anyway.
+    assert [p.exitcode for p in procs[:2]] == [0, 0]
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor that behaves, for the transport, as one in GPU memory does: it says it lives on
+    `cuda` and refuses `.numpy()` until copied to the host (what CUDA tensors raise)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.numpy.__get__ or getattr(func, "__name__", "") == "numpy":
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first.")
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if getattr(func, "__name__", "") in ("cpu", "to"):  # the host copy is a plain tensor
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
+def test_a_page_frame_from_device_memory_goes_through_a_host_copy():
+    host = torch.arange(64, dtype=torch.float32).view(PAGES)
+    on_device = host.clone().as_subclass(DeviceTensor)
+    with pytest.raises(TypeError, match="Use Tensor.cpu"):
+        on_device.numpy()  # what pages_frame used to call
+    frame = pages_frame("r", 3, on_device, checksum=True)
+    assert bytes(frame.payload) == host.numpy().tobytes()
+    assert frame.header["crc32"] == pages_frame("r", 3, host, checksum=True).header["crc32"]
