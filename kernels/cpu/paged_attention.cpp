@@ -8,9 +8,9 @@
 // sits at position context_lens[b] - q_len_b + i and sees keys 0..position (cached prefix pages,
 // earlier chunks and its own chunk alike).
 //
-// Work is split into items (sequence, kv head, tile of up to kQTile query tokens); an item
-// takes all `group` query heads that share its KV head, so each K/V page is read once per
-// item (GQA-aware). Threads pull items from one atomic counter, because causal prefill tiles
+// Work is split into items (sequence, tile of up to kQTile query tokens, one KV head or, when
+// there are tiles enough, all of them in turn); for each KV head an item takes all `group`
+// query heads that share it, so each K/V page slice is read once per item (GQA-aware). Threads pull items from one atomic counter, because causal prefill tiles
 // differ in cost and a static split would leave a core idle.
 //
 // Per item: queries are scaled and widened to fp32 once; pass 1 walks the pages (prefetching
@@ -60,7 +60,11 @@ struct Item {
   int64_t q_begin;  // packed token index of the tile's first query
   int64_t q_end;
   int64_t kv_head = 0;
+  int64_t num_kv_heads = 1;  // heads kv_head .. kv_head + num_kv_heads - 1, one after the other
 };
+
+// Tiles per thread from which an item takes all of its tile's KV heads (see paged_attention).
+constexpr int64_t kTilesPerThreadForWholeItems = 8;
 
 // Scores of 8 keys at once: s[i] holds key i's partial dot products in 8 lanes; returns the 8
 // sums in one vector (a transpose-and-add tree, where 8 horizontal sums cost ~5x as much).
@@ -389,9 +393,11 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
     std::vector<int64_t> limits;
     std::vector<float> page_f;
     for (int64_t i = next++; i < num_items; i = next++) {
-      attend_item<scalar_t, NV>(items[i], q, query.stride(0), query.stride(1), kc, vc, table, page_table.size(1),
-                                starts, lens, o, group, k_cache.size(1), kv_heads, static_cast<float>(scale), qf,
-                                scores, acc, limits, page_f);
+      const Item& item = items[i];
+      for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h)
+        attend_item<scalar_t, NV>({item.seq, item.q_begin, item.q_end, h}, q, query.stride(0), query.stride(1), kc,
+                                  vc, table, page_table.size(1), starts, lens, o, group, k_cache.size(1), kv_heads,
+                                  static_cast<float>(scale), qf, scores, acc, limits, page_f);
     }
   });
 }
@@ -445,13 +451,23 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
     return keys(a) > keys(b);
   });
   if (tiles.empty()) return out;
-  // One item per (tile, KV head): reading one head's slice of each page beat reading whole
-  // pages per decode row (21 vs 17 GB/s at 32 sequences x 1,200 tokens), and it feeds every
-  // thread even at batch 1.
+  // Each head is attended on its own slice of the pages (one head's rows at a time beat whole
+  // pages per decode row: 21 vs 17 GB/s at 32 sequences x 1,200 tokens on Zen 4). With tiles
+  // enough to feed every thread, one item takes a tile's KV heads one after the other on one
+  // core: the hardware prefetcher, fetching a head's slice, brings in its neighbours' lines
+  // too (they share cache lines' pages), and the next head then finds them in this core's L2
+  // instead of another core's fetching them again. Measured on Sapphire Rapids, bf16, 32
+  // sequences x 526 tokens, captured from a decode step: 1.20 -> 0.96 ms a layer; fp32 prefill
+  // of 512 tokens 3.14 -> 2.84 ms. With few tiles (batch 1), items stay per head, so both cores
+  // have work.
   std::vector<Item> items;
   items.reserve(tiles.size() * kv_heads);
-  for (const Item& t : tiles)
-    for (int64_t h = 0; h < kv_heads; ++h) items.push_back({t.seq, t.q_begin, t.q_end, h});
+  if (static_cast<int64_t>(tiles.size()) >= kTilesPerThreadForWholeItems * at::get_num_threads()) {
+    for (const Item& t : tiles) items.push_back({t.seq, t.q_begin, t.q_end, 0, kv_heads});
+  } else {
+    for (const Item& t : tiles)
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({t.seq, t.q_begin, t.q_end, h});
+  }
 
   dispatch_dtype(query.scalar_type(), "paged_attention", [&](auto tag) {
     using scalar_t = decltype(tag);

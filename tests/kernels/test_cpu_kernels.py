@@ -233,3 +233,24 @@ def test_cpu_backend_sends_prefill_to_sdpa_only_for_bf16_on_amx():
     assert backend.sdpa_prefill_dtypes == ((torch.bfloat16,) if torch.cpu._is_amx_tile_supported() else ())
     assert backend.paged_decode_attention is cpu_ops.paged_decode_attention
     assert backend.paged_prefill_attention is reference.paged_prefill_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_items_of_all_kv_heads_and_of_one_give_the_same_bits(dtype):
+    """With tiles enough per thread an item takes every KV head of its tile in turn; with few,
+    one head each. The same arithmetic either way: equal bits, and equal to the oracle."""
+    gen = torch.Generator().manual_seed(11)
+    q_lens = [1] * 20 + [40]  # 20 decodes and a chunk of 3 tiles: 23 tiles
+    ctx_lens = [5 + 9 * i for i in range(20)] + [90]
+    query, k_cache, v_cache, table, starts, lens = _paged_batch(q_lens, ctx_lens, 16, 12, 4, 64, dtype, gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 23 tiles >= 8 per thread: items of all KV heads
+        whole = cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, lens, 0.125)
+        torch.set_num_threads(4)  # 23 < 32: an item per KV head
+        per_head = cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(whole, per_head)
+    want = _oracle(query, k_cache, v_cache, table, starts, lens, 20, 0.125)
+    torch.testing.assert_close(whole.float(), want.float(), **TOL[dtype])
