@@ -11,6 +11,7 @@ from engine.kv_cache import KVCache
 from engine.model.config import ModelConfig
 from kernels import packed_linear
 
+BIG = 64 << 20  # bytes of one test buffer (see test_advised_memory_faults_in_as_huge_pages)
 needs_thp = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages here (not Linux, "
                                "or THP set to never)")
 
@@ -31,8 +32,11 @@ def huge_bytes_at(address: int) -> int:
 
 @needs_thp
 def test_advised_memory_faults_in_as_huge_pages():
-    tensor = torch.empty(8 << 20, dtype=torch.uint8)
-    assert huge_pages.advise(tensor) >= 4 << 20  # the whole 2 MiB pages inside 8 MiB
+    # 64 MiB: above glibc's largest mmap threshold (32 MiB), so a fresh mapping, as a real KV
+    # cache's per-layer tensors are; a smaller block may come back from the heap already
+    # touched (in 4 KiB pages), which advice cannot change.
+    tensor = torch.empty(BIG, dtype=torch.uint8)
+    assert huge_pages.advise(tensor) >= BIG - (4 << 20)  # the whole 2 MiB pages inside
     tensor.zero_()
     assert huge_bytes_at(tensor.data_ptr() + (4 << 20)) >= 2 << 20
 
@@ -43,7 +47,7 @@ def test_kv_cache_pages_are_huge_and_zero():
                       num_kv_heads=2, head_dim=64, max_position_embeddings=128, rms_norm_eps=1e-6, rope_theta=1e4,
                       rope_scaling=(), tie_word_embeddings=False, qkv_bias=False, o_bias=False, bos_token_id=0,
                       eos_token_ids=(1,))
-    cache = KVCache(cfg, num_pages=1024, page_size=16, dtype=torch.float32, device="cpu")  # 8 MiB a tensor
+    cache = KVCache(cfg, num_pages=BIG // (16 * 2 * 64 * 4), page_size=16, dtype=torch.float32, device="cpu")
     for tensor in (*cache.k, *cache.v):
         assert huge_bytes_at(tensor.data_ptr() + (4 << 20)) >= 2 << 20
         assert not tensor.any()
