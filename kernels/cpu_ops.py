@@ -24,7 +24,8 @@ from types import ModuleType
 import torch
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
-SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp", "fused_ops.cpp")]
+SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp", "fused_ops.cpp",
+                                                "packed_gemv.cpp")]
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is compiled for
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -113,6 +114,17 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for x [M, K] with few rows M and K a multiple of 8; weight [N, K]."""
     return _require().skinny_linear(x, weight, bias)
+
+
+def packed_gemv_supported() -> bool:
+    """Whether `packed_gemv` was built (it needs AVX512-BF16)."""
+    return _require().packed_gemv_supported()
+
+
+def packed_gemv(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M <= 8, K] bf16 times a weight [n, K] held in oneDNN's AMX layout (`blocked`: a flat bf16
+    view of its bytes; kernels/packed_linear.py); returns [M, n] bf16."""
+    return _require().packed_gemv(x, blocked, n, bias)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

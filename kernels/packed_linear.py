@@ -15,6 +15,8 @@ keep the plain weight and F.linear.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 # oneDNN's CPU kernels: float32 everywhere, bfloat16 through AVX512-BF16/AMX (emulated, and
@@ -44,3 +46,45 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 def apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ packed^T (+ bias) -> [..., out]; any number of rows, strided x allowed."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# Up to this many rows, `PackedGemv` (kernels/cpu/packed_gemv.cpp) multiplies instead of oneDNN:
+# at 1 row it streamed builtin:small's 12 layers of weights at 32 GB/s against oneDNN's 27-28
+# (4.7 vs 5.5 ms, Sapphire Rapids, cold weights); at 2-8 rows it was slower than oneDNN's AMX
+# kernel (6.6-10 vs 5.3-6.1 ms), so batch 1 only.
+GEMV_MAX_ROWS = 1
+PROBE_ROWS = 3  # the layout probe multiplies a few rows whatever the threshold
+
+
+class PackedGemv:
+    """A packed bf16 weight read in place, for the few-row products of decode steps, by
+    kernels/cpu/packed_gemv.cpp: `blocked` is a flat bf16 view of the packed tensor's own bytes
+    (no copy; `packed` is held so they stay alive)."""
+
+    def __init__(self, packed: torch.Tensor, blocked: torch.Tensor, out_features: int) -> None:
+        self.packed, self.blocked, self.out_features = packed, blocked, out_features
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from kernels import cpu_ops
+
+        return cpu_ops.packed_gemv(x, self.blocked, self.out_features, bias)
+
+
+def gemv_for(packed: torch.Tensor | None, weight: torch.Tensor) -> PackedGemv | None:
+    """A PackedGemv over `packed` (= pack(weight)) where the CPU kernel serves it: bf16, both
+    dimensions multiples of 32, AVX512-BF16, and oneDNN's layout the AMX one the kernel reads,
+    which a probe product against F.linear on the plain weight confirms. None elsewhere."""
+    from kernels import cpu_ops
+
+    if packed is None or weight.dtype != torch.bfloat16 or weight.dim() != 2 or cpu_ops.load() is None:
+        return None
+    n, k = weight.shape
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    if n % 32 or k % 32 or nbytes != n * k * 2 or not cpu_ops.packed_gemv_supported():
+        return None
+    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    gemv = PackedGemv(packed, torch.frombuffer(buffer, dtype=torch.bfloat16), n)
+    probe = torch.randn(PROBE_ROWS, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want = torch.nn.functional.linear(probe, weight).float()
+    ok = torch.allclose(gemv(probe, None).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    return gemv if ok else None

@@ -76,11 +76,14 @@ SKINNY_MAX_ROWS = 64
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyLinear | None
-           ) -> torch.Tensor:
-    """F.linear; through oneDNN for a packed weight (`pack_weight`), else through `skinny` for
-    few-row 2-D inputs when the engine has one."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: SkinnyLinear | None,
+           gemv: packed_linear.PackedGemv | None = None) -> torch.Tensor:
+    """F.linear; through oneDNN for a packed weight (`pack_weight`) or, for a single row, through
+    `gemv` (the same packed bytes read by kernels/cpu/packed_gemv.cpp) where the weight has one;
+    else through `skinny` for few-row 2-D inputs when the engine has one."""
     if weight.is_mkldnn:
+        if gemv is not None and x.dim() == 2 and x.shape[0] <= packed_linear.GEMV_MAX_ROWS:
+            return gemv(x, bias)
         return packed_linear.apply(x, weight, bias)
     if skinny is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.shape[1] % 8 == 0:
         return skinny(x, weight, bias)
@@ -99,6 +102,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out), requires_grad=False) if bias else None
         self.skinny: SkinnyLinear | None = None  # set by the model from its kernel backend
+        self.gemv: packed_linear.PackedGemv | None = None  # set by pack_weight where it serves
 
     def _rows(self, part: int) -> slice:
         start = sum(self.part_sizes[:part])
@@ -113,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(self.bias.data[self._rows(part)], self.ctx.shard(bias, 0), "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.skinny)
+        return linear(x, self.weight, self.bias, self.skinny, self.gemv)
 
 
 class RowParallelLinear(nn.Module):
@@ -126,6 +130,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // ctx.tp_size), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.skinny: SkinnyLinear | None = None  # set by the model from its kernel backend
+        self.gemv: packed_linear.PackedGemv | None = None  # set by pack_weight where it serves
 
     def load_weight(self, weight: torch.Tensor) -> None:
         copy_checked(loadable(self.weight), self.ctx.shard(weight, 1), "weight")
@@ -136,17 +141,19 @@ class RowParallelLinear(nn.Module):
         copy_checked(self.bias.data, bias, "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(linear(x, self.weight, None, self.skinny))
+        out = self.ctx.all_reduce(linear(x, self.weight, None, self.skinny, self.gemv))
         return out if self.bias is None else out + self.bias
 
 
 def pack_weight(module: nn.Module) -> bool:
     """After loading: module.weight into oneDNN's layout (kernels/packed_linear.py), which
     `linear` then multiplies by; False, leaving it as it is, where it does not pack."""
-    packed = packed_linear.pack(module.weight.data)
+    plain = module.weight.data
+    packed = packed_linear.pack(plain)
     if packed is None:
         return False
     module.weight = nn.Parameter(packed, requires_grad=False)
+    module.gemv = packed_linear.gemv_for(packed, plain)
     return True
 
 

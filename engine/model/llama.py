@@ -113,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.skinny = backend.skinny_linear
         self.packed_output: torch.Tensor | None = None  # set by pack_weights for a tied output projection
+        self.output_gemv: packed_linear.PackedGemv | None = None  # its single-row path, where it has one
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -159,9 +160,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_sampled, vocab]
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        gemv = getattr(self.lm_head, "gemv", None) if self.lm_head is not None else self.output_gemv
         if self.packed_output is not None:
             weight = self.packed_output
-        return linear(hidden, weight, None, self.backend.skinny_linear).float()
+        return linear(hidden, weight, None, self.backend.skinny_linear, gemv).float()
 
     def pack_weights(self) -> None:
         """After loading, where the backend multiplies by packed weights (kernels/packed_linear.py):
@@ -176,6 +178,7 @@ class LlamaForCausalLM(nn.Module):
             pack_weight(self.lm_head)
         else:
             self.packed_output = packed_linear.pack(self.embed_tokens.weight.data)
+            self.output_gemv = packed_linear.gemv_for(self.packed_output, self.embed_tokens.weight.data)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors; fails naming any tensor the model has no place for, lacks,

@@ -254,3 +254,59 @@ def test_items_of_all_kv_heads_and_of_one_give_the_same_bits(dtype):
     assert torch.equal(whole, per_head)
     want = _oracle(query, k_cache, v_cache, table, starts, lens, 20, 0.125)
     torch.testing.assert_close(whole.float(), want.float(), **TOL[dtype])
+
+
+def _gemv_or_skip(weight: torch.Tensor):
+    from kernels import packed_linear
+
+    packed = packed_linear.pack(weight)
+    gemv = packed_linear.gemv_for(packed, weight)
+    if gemv is None:
+        pytest.skip("no packed GEMV here: no AVX512-BF16, or oneDNN packs bf16 in another layout on this CPU")
+    return packed, gemv
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (96, 128), (32, 2048)])
+def test_packed_gemv_reads_onednns_layout_in_place(shape):
+    """kernels/cpu/packed_gemv.cpp on the bytes oneDNN packed: F.linear's result within bf16
+    rounding, for every row count it serves, with and without a bias."""
+    gen = torch.Generator().manual_seed(shape[0])
+    weight = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    _, gemv = _gemv_or_skip(weight)
+    for rows in range(1, 9):
+        x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
+        for bias in (None, torch.randn(shape[0], generator=gen).to(torch.bfloat16)):
+            want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            got = gemv(x, bias)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    with pytest.raises(RuntimeError, match="serves 1 to 8 rows"):
+        gemv(torch.zeros(9, shape[1], dtype=torch.bfloat16), None)
+
+
+def test_packed_gemv_is_refused_where_it_would_be_wrong():
+    from kernels import packed_linear
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    packed, _ = _gemv_or_skip(weight)
+    other = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    assert packed_linear.gemv_for(packed, other) is None  # the probe sees the bytes are not this weight's
+    assert packed_linear.gemv_for(packed_linear.pack(weight[:, :48].contiguous()), weight[:, :48]) is None  # K % 32
+    assert packed_linear.gemv_for(packed_linear.pack(weight.float()), weight.float()) is None  # bf16 only
+
+
+def test_engine_linear_takes_the_packed_gemv_for_one_row_only():
+    from engine.model.layers import ColumnParallelLinear, ParallelContext, linear, pack_weight
+
+    layer = ColumnParallelLinear(64, [96], False, ParallelContext()).to(torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(96, 64, generator=torch.Generator().manual_seed(4)))
+    _gemv_or_skip(layer.weight.data)
+    assert pack_weight(layer) and layer.gemv is not None
+    calls = []
+    real = layer.gemv
+    layer.gemv = lambda x, bias: calls.append(x.shape[0]) or real(x, bias)
+    for rows in (1, 2, 5):
+        layer(torch.randn(rows, 64).to(torch.bfloat16))
+    assert calls == [1]
+    assert linear(torch.randn(1, 64).to(torch.bfloat16), layer.weight, None, None, None).shape == (1, 96)
