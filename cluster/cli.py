@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a cluster from a YAML config and serve until Ctrl-C")
     up.add_argument("config", help="cluster YAML (see configs/local.yaml)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for every worker (default 300)")
+    up.add_argument("--dry-run", action="store_true",
+                    help="build and print every worker's spec (ports, engine, KV transport, Ray bundles) and the "
+                    "router's, then exit: no Ray, no model, no GPU needed")
     up.set_defaults(func=cmd_cluster.up)
 
     down = sub.add_parser("down", help="stop the cluster that 'pdserve up CONFIG' started")

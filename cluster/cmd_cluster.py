@@ -14,6 +14,13 @@ def up(args: argparse.Namespace) -> int:
     from cluster.lifecycle import Cluster
     from configs import load_cluster_config
 
+    if args.dry_run:
+        from cluster.dry_run import plan
+
+        for line in plan(load_cluster_config(args.config)):
+            say(line)
+        say(f"pdserve: dry run of {args.config}: every spec built, nothing started")
+        return 0
     cluster = Cluster(load_cluster_config(args.config), args.config, timeout_s=args.timeout, say=say).start()
     try:
         say(f"pdserve: cluster up, gRPC at {cluster.grpc_address}; Ctrl-C or 'pdserve down {args.config}' stops it")
