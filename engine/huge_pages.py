@@ -1,6 +1,6 @@
 """Transparent huge pages for the engine's big, long-lived CPU buffers: the KV cache and the weights.
 
-Called by engine/kv_cache.py (before the cache is first written) and engine/parallel/model_shard.py
+Called by engine/kv_cache.py (before the cache is first written) and engine/model/loader.py
 (after the weights are loaded and packed). Decode reads every weight and each sequence's KV
 pages at every step; with 4 KiB pages that is one TLB entry per 4 KiB, and KV pages lie anywhere
 in a multi-GiB cache, so the walks add up. Most distributions set THP to `madvise`: nothing

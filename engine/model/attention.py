@@ -84,10 +84,10 @@ def paged_attention(
     backend.store_kv(key, value, k_cache, v_cache, batch.slot_mapping)
     num_decode = batch.num_decode_seqs
     num_seqs = batch.num_seqs
-    if query.dtype in backend.sdpa_prefill_dtypes:
-        if _is_fresh_single_prompt(batch):  # its K/V are in hand: no need to read them back from pages
-            return reference.fresh_prompt_attention(query, key, value, scale)
-    elif backend.mixed_attention is not None:
+    sdpa_prefill = query.dtype in backend.sdpa_prefill_dtypes
+    if sdpa_prefill and _is_fresh_single_prompt(batch):  # its K/V are in hand: no reading them back from pages
+        return reference.fresh_prompt_attention(query, key, value, scale)
+    if backend.mixed_attention is not None and (not sdpa_prefill or num_decode == num_seqs):
         return backend.mixed_attention(query, k_cache, v_cache, batch.page_table, batch.query_start_loc,
                                        batch.context_lens, scale)
     if num_decode == num_seqs:
