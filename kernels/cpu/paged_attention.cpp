@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 
 #include "vec.h"
+#include "prefill_tile_bf16.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -62,6 +63,9 @@ struct Item {
   int64_t kv_head = 0;
   int64_t num_kv_heads = 1;  // heads kv_head .. kv_head + num_kv_heads - 1, one after the other
 };
+
+// Query tokens from which a bf16 tile goes to the matrix-product path of prefill_tile_bf16.h.
+constexpr int64_t kMinTileQueries = 4;
 
 // Tiles per thread from which an item takes all of its tile's KV heads (see paged_attention).
 constexpr int64_t kTilesPerThreadForWholeItems = 8;
@@ -392,8 +396,25 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
     std::vector<float> scores;
     std::vector<int64_t> limits;
     std::vector<float> page_f;
+#if PDSERVE_TILE_BF16
+    pdserve::TileScratch tile_scratch;
+#endif
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];
+#if PDSERVE_TILE_BF16
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (NV * 8) % 32 == 0) {
+        if (item.q_end - item.q_begin >= kMinTileQueries) {
+          const int64_t q_len = starts[item.seq + 1] - starts[item.seq];
+          const int64_t limit0 = lens[item.seq] - q_len + (item.q_begin - starts[item.seq]) + 1;
+          for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h)
+            pdserve::attend_tile_bf16<NV * 8>(q, query.stride(0), query.stride(1), item.q_begin,
+                                              item.q_end - item.q_begin, group, h, limit0, kc, vc,
+                                              table + item.seq * page_table.size(1), k_cache.size(1), kv_heads, o,
+                                              static_cast<float>(scale), tile_scratch);
+          continue;
+        }
+      }
+#endif
       for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h)
         attend_item<scalar_t, NV>({item.seq, item.q_begin, item.q_end, h}, q, query.stride(0), query.stride(1), kc,
                                   vc, table, page_table.size(1), starts, lens, o, group, k_cache.size(1), kv_heads,

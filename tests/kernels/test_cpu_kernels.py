@@ -60,6 +60,13 @@ def _oracle(query, k_cache, v_cache, table, starts, lens, num_decode, scale):
         (16, 12, 4, 64, torch.bfloat16),
         (32, 4, 2, 16, torch.float16),
         (1, 4, 2, 64, torch.float32),  # one token per page
+        # bf16 prefill tiles take the matrix-product path (kernels/cpu/prefill_tile_bf16.h) where
+        # the CPU has AVX512-BF16 and head_dim is a multiple of 32, the vector path elsewhere.
+        (4, 4, 4, 32, torch.bfloat16),
+        (8, 8, 1, 128, torch.bfloat16),
+        (16, 6, 2, 48, torch.bfloat16),
+        (1, 4, 2, 64, torch.bfloat16),
+        (16, 4, 2, 256, torch.bfloat16),
     ],
 )
 def test_mixed_batch_matches_reference(page_size, num_heads, num_kv_heads, head_dim, dtype):
@@ -76,6 +83,20 @@ def test_mixed_batch_matches_reference(page_size, num_heads, num_kv_heads, head_
     want = _oracle(query, k_cache, v_cache, table, starts, lens, num_decode, scale)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_bf16_prefill_over_long_context_matches_reference():
+    """Chunks over a thousand cached tokens and a long fresh prompt: many key blocks per tile
+    (the bf16 matrix-product path where the CPU has AVX512-BF16), against the oracle and, in
+    fp32 on the same bf16 inputs, no further than bf16 rounding of the output."""
+    gen = torch.Generator().manual_seed(5)
+    q_lens, ctx_lens = [64, 300, 7], [1064, 300, 1207]
+    query, k_cache, v_cache, table, starts, lens = _paged_batch(q_lens, ctx_lens, 16, 12, 4, 64, torch.bfloat16, gen)
+    got = cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, lens, 0.125)
+    want = _oracle(query, k_cache, v_cache, table, starts, lens, 0, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16])
+    exact = _oracle(query.float(), k_cache.float(), v_cache.float(), table, starts, lens, 0, 0.125)
+    assert (got.float() - exact).abs().mean() < 2e-3
 
 
 def test_parallel_threads_give_the_same_result():

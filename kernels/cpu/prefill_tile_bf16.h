@@ -1,0 +1,235 @@
+// Prefill tiles of bf16 attention as two small matrix products on AVX512-BF16 CPUs.
+//
+// Included by paged_attention.cpp, whose work items it serves when a tile has several query
+// tokens (a prefill chunk) in bf16; decode rows keep that file's vector path. Per item (one
+// sequence, up to kQTile query tokens, one KV head and the `group` query heads sharing it):
+//   1. the item's visible keys are rearranged once from their pages into blocks of 16 keys:
+//      K transposed into bf16 pairs of head_dim ([d/2][16 keys][2]), V interleaved by token
+//      pairs ([8 pairs][d][2]), the layouts VDPBF16PS multiplies (tokens past the end are 0);
+//   2. S = Q K^T: each instruction takes one bf16 pair of 12 query rows' head dims against 16
+//      keys, 64 FLOP, so a row block of 12 keeps the two FMA pipes busy;
+//   3. an exact fp32 softmax per row (causal limit per row), its unnormalised weights rounded
+//      to bf16 as torch's own bf16 attention rounds them before P V;
+//   4. O = P V: each instruction adds two tokens' weights times 16 head dims for one row.
+// The vector path scored eight keys per transpose-and-add tree in 8-lane vectors and widened
+// V to fp32 (~130-180 GFLOP/s on 2 Zen 5 cores); see paged_attention.cpp for the measured gain.
+#pragma once
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define PDSERVE_TILE_BF16 1
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace pdserve {
+
+constexpr int64_t kKeyBlock = 16;  // keys per block: one fp32 lane each in a score vector
+
+// Per-thread buffers, grown to the largest item a thread has taken and then reused.
+struct TileScratch {
+  std::vector<uint32_t> kt;   // [blocks][d/2][16]: key pairs of head dims, transposed
+  std::vector<uint16_t> vi;   // [blocks][8][d][2]: values interleaved by token pairs
+  std::vector<float> scores;  // [rows][blocks * 16]
+  std::vector<uint16_t> probs;  // [rows][blocks * 16], bf16 bits; zero past each row's limit
+  std::vector<float> inv_sum;   // [rows]
+};
+
+// e^x for 16 lanes: x = n ln2 + r, e^r by its degree-6 Taylor polynomial, times 2^n by VSCALEFPS
+// (the same polynomial as vec.h's exp8); x below -87 gives ~0, never a denormal.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 720), _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// scores[r][block b] = (q_r . k) * scale for R rows and blocks [0, num_blocks): per head-dim
+// pair, one load of 16 keys' pair serves all R rows (each row's pair is a 32-bit broadcast).
+template <int D, int R>
+void score_rows(const uint32_t* const* q, const uint32_t* kt, int64_t num_blocks, float scale, float* scores,
+                int64_t row_len) {
+  constexpr int NP = D / 2;
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const uint32_t* kb = kt + b * NP * kKeyBlock;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < NP; ++i) {
+      const __m512i k = _mm512_loadu_si512(kb + i * kKeyBlock);
+      for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], _mm512_set1_epi32(static_cast<int>(q[r][i])), k);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * row_len + b * kKeyBlock, _mm512_mul_ps(acc[r], s));
+  }
+}
+
+// acc[r] = sum_t p[r][t] v_t over blocks [0, num_blocks) for R rows (NV vectors of 16 head dims
+// each), two tokens per instruction; writes out_r = acc[r] * inv_sum[r] in bf16.
+template <int D, int R>
+void accumulate_rows(const uint16_t* probs, int64_t row_len, const uint16_t* vi, int64_t num_blocks,
+                     const float* inv_sum, c10::BFloat16* const* out) {
+  constexpr int NV = D / 16;
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int j = 0; j < kKeyBlock / 2; ++j) {
+      const uint16_t* pair = vi + (b * (kKeyBlock / 2) + j) * 2 * D;
+      __m512i v[NV];
+      for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_si512(pair + 32 * c);
+      for (int r = 0; r < R; ++r) {
+        uint32_t w;
+        std::memcpy(&w, probs + r * row_len + b * kKeyBlock + 2 * j, sizeof(w));
+        const __m512i p = _mm512_set1_epi32(static_cast<int>(w));
+        for (int c = 0; c < NV; ++c) acc[r][c] = dot_pairs(acc[r][c], p, v[c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+  }
+}
+
+// Calls f(std::integral_constant<int, R>) for a runtime R in [1, kMax] (the row-block tails).
+template <int kMax, typename F>
+void with_rows(int64_t r, F&& f) {
+  if constexpr (kMax >= 1) {
+    if (r == kMax) return f(std::integral_constant<int, kMax>{});
+    with_rows<kMax - 1>(r, f);
+  }
+}
+
+// Step 1: the item's keys [0, kv_end) of one KV head into `kt` and `vi` (see the file comment).
+template <int D>
+void rearrange_keys(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* pages,
+                    int64_t page_size, int64_t tok_stride, int64_t head_offset, int64_t kv_end,
+                    int64_t num_blocks, TileScratch& s) {
+  constexpr int NP = D / 2, NV = D / 16;
+  s.kt.resize(num_blocks * NP * kKeyBlock);
+  s.vi.resize(num_blocks * kKeyBlock * D);
+  static const uint16_t zeros[D] = {};
+  // Interleave two tokens' 16 head dims: lanes (x, x + 32) -> 2x, 2x + 1.
+  alignas(64) static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                      8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx = _mm512_load_si512(interleave);
+  auto row = [&](const c10::BFloat16* cache, int64_t t) -> const uint16_t* {
+    if (t >= kv_end) return zeros;
+    const int64_t page = pages[t / page_size];
+    return reinterpret_cast<const uint16_t*>(cache + (page * page_size + t % page_size) * tok_stride + head_offset);
+  };
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    uint32_t* kb = s.kt.data() + b * NP * kKeyBlock;
+    for (int j = 0; j < kKeyBlock; ++j) {
+      uint32_t pairs[NP];
+      std::memcpy(pairs, row(k_cache, b * kKeyBlock + j), sizeof(pairs));
+      for (int i = 0; i < NP; ++i) kb[i * kKeyBlock + j] = pairs[i];
+    }
+    for (int j = 0; j < kKeyBlock / 2; ++j) {
+      const uint16_t* v0 = row(v_cache, b * kKeyBlock + 2 * j);
+      const uint16_t* v1 = row(v_cache, b * kKeyBlock + 2 * j + 1);
+      uint16_t* dst = s.vi.data() + (b * (kKeyBlock / 2) + j) * 2 * D;
+      for (int c = 0; c < NV; ++c) {
+        const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c)));
+        const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c)));
+        _mm512_storeu_si512(dst + 32 * c, _mm512_permutex2var_epi16(a, idx, x));
+      }
+    }
+  }
+}
+
+// Step 3 for one row: softmax weights of its `limit` visible scores as bf16 into `probs`, zeros
+// up to the row's end (`row_len`); returns 1 / their fp32 sum.
+inline float softmax_row(const float* scores, int64_t limit, int64_t row_len, uint16_t* probs) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  auto visible = [&](int64_t t) -> __mmask16 {
+    const int64_t n = limit - t;
+    return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+  };
+  __m512 mv = neg_inf;
+  for (int64_t t = 0; t < limit; t += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(neg_inf, visible(t), scores + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < row_len; t += 16) {
+    const __mmask16 mask = visible(t);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), m)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+// One work item: query tokens [q_first, q_first + n_q) of q (row stride q_tok_stride, head
+// stride q_head_stride), their `group` heads sharing KV head `kv_head`; query i sees keys
+// [0, limit0 + i). out has the query's layout ([tokens][heads][D]).
+template <int D>
+void attend_tile_bf16(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_head_stride, int64_t q_first,
+                      int64_t n_q, int64_t group, int64_t kv_head, int64_t limit0, const c10::BFloat16* k_cache,
+                      const c10::BFloat16* v_cache, const int32_t* pages, int64_t page_size, int64_t kv_heads,
+                      c10::BFloat16* out, float scale, TileScratch& s) {
+  constexpr int kScoreRows = 12;  // 12 accumulators cover VDPBF16PS's latency on both pipes
+  constexpr int kValueRows = std::max(1, 24 / (D / 16));  // accumulators of R rows x D/16 vectors
+  const int64_t rows = n_q * group;
+  const int64_t kv_end = limit0 + n_q - 1;
+  const int64_t num_blocks = (kv_end + kKeyBlock - 1) / kKeyBlock;
+  const int64_t row_len = num_blocks * kKeyBlock;
+  rearrange_keys<D>(k_cache, v_cache, pages, page_size, kv_heads * D, kv_head * D, kv_end, num_blocks, s);
+  s.scores.resize(rows * row_len);
+  s.probs.resize(rows * row_len);
+  s.inv_sum.resize(rows);
+  const int64_t heads = kv_heads * group;
+  // Row r = (query r / group, head kv_head * group + r % group); its limit grows with r / group.
+  auto limit = [&](int64_t r) { return limit0 + r / group; };
+  auto blocks_seen = [&](int64_t last_row) { return (limit(last_row) + kKeyBlock - 1) / kKeyBlock; };
+
+  for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows) {
+    const int64_t n = std::min<int64_t>(kScoreRows, rows - r0);
+    const uint32_t* q_rows[kScoreRows];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i;
+      q_rows[i] = reinterpret_cast<const uint32_t*>(q + (q_first + r / group) * q_tok_stride +
+                                                    (kv_head * group + r % group) * q_head_stride);
+    }
+    with_rows<kScoreRows>(n, [&](auto R) {
+      score_rows<D, decltype(R)::value>(q_rows, s.kt.data(), blocks_seen(r0 + n - 1), scale,
+                                        s.scores.data() + r0 * row_len, row_len);
+    });
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    s.inv_sum[r] = softmax_row(s.scores.data() + r * row_len, limit(r), row_len, s.probs.data() + r * row_len);
+  for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
+    const int64_t n = std::min<int64_t>(kValueRows, rows - r0);
+    c10::BFloat16* out_rows[kValueRows];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = r0 + i;
+      out_rows[i] = out + ((q_first + r / group) * heads + kv_head * group + r % group) * D;
+    }
+    with_rows<kValueRows>(n, [&](auto R) {
+      accumulate_rows<D, decltype(R)::value>(s.probs.data() + r0 * row_len, row_len, s.vi.data(),
+                                             blocks_seen(r0 + n - 1), s.inv_sum.data() + r0, out_rows);
+    });
+  }
+}
+
+}  // namespace pdserve
+
+#else
+#define PDSERVE_TILE_BF16 0
+#endif
