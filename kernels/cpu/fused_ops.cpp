@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -22,6 +23,11 @@ using pdserve::load8;
 using pdserve::round8;
 using pdserve::store8;
 using pdserve::v8f;
+
+// Whether the 16-lane AVX-512 loops serve scalar_t (fp32 and bf16 where the CPU has AVX512-BF16;
+// fp16 and other CPUs take the 8-lane loops only).
+template <typename scalar_t>
+constexpr bool kVec16 = PDSERVE_VEC_BF16 && !std::is_same_v<scalar_t, c10::Half>;
 
 // Rows per parallel task: enough work to be worth a thread hand-off.
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
@@ -49,7 +55,19 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
         // lane, so its order differs from torch's by float rounding only.
         const int64_t h8 = h - h % 8;
         v8f sq8{};
-        for (int64_t i = 0; i < h8; i += 8) {
+        int64_t i16 = 0;
+#if PDSERVE_VEC_BF16
+        if constexpr (kVec16<scalar_t>) {
+          __m512 sq16 = _mm512_setzero_ps();
+          for (; i16 + 16 <= h; i16 += 16) {
+            const __m512 sum = pdserve::round16(tag, _mm512_add_ps(pdserve::load16(xr + i16), pdserve::load16(rr + i16)));
+            pdserve::store16(rr + i16, sum);
+            sq16 = _mm512_fmadd_ps(sum, sum, sq16);
+          }
+          sq8[0] = _mm512_reduce_add_ps(sq16);
+        }
+#endif
+        for (int64_t i = i16; i < h8; i += 8) {
           const v8f sum = round8(tag, load8(xr + i) + load8(rr + i));  // rounded as torch's add
           store8(rr + i, sum);
           sq8 += sum * sum;
@@ -62,7 +80,16 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
         const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
         // fp32 models: weight * (x * inv) as F.rms_norm; reduced precision: normalise in fp32,
         // round, then scale (engine/model/layers.py RMSNorm).
-        for (int64_t i = 0; i < h8; i += 8) store8(xr + i, load8(wp + i) * round8(tag, load8(rr + i) * inv));
+        int64_t j16 = 0;
+#if PDSERVE_VEC_BF16
+        if constexpr (kVec16<scalar_t>) {
+          const __m512 inv16 = _mm512_set1_ps(inv);
+          for (; j16 + 16 <= h; j16 += 16)
+            pdserve::store16(xr + j16, _mm512_mul_ps(pdserve::load16(wp + j16),
+                                                     pdserve::round16(tag, _mm512_mul_ps(pdserve::load16(rr + j16), inv16))));
+        }
+#endif
+        for (int64_t i = j16; i < h8; i += 8) store8(xr + i, load8(wp + i) * round8(tag, load8(rr + i) * inv));
         for (int64_t i = h8; i < h; ++i) {
           const scalar_t normed = static_cast<scalar_t>(static_cast<float>(rr[i]) * inv);
           xr[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
@@ -125,6 +152,17 @@ at::Tensor silu_mul(at::Tensor gate_up) {
         const scalar_t* u = g + width;
         scalar_t* o = op + t * width;
         int64_t i = 0;
+#if PDSERVE_VEC_BF16
+        if constexpr (kVec16<scalar_t>) {
+          const __m512 one = _mm512_set1_ps(1.f);
+          for (; i + 16 <= width; i += 16) {
+            const __m512 x = pdserve::load16(g + i);
+            const __m512 e = pdserve::exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 act = pdserve::round16(tag, _mm512_div_ps(x, _mm512_add_ps(one, e)));
+            pdserve::store16(o + i, _mm512_mul_ps(act, pdserve::load16(u + i)));
+          }
+        }
+#endif
         for (; i + 8 <= width; i += 8) {
           const v8f x = load8(g + i);
           const v8f act = round8(tag, x / (1.f + exp8(-x)));  // F.silu, rounded to the dtype

@@ -19,6 +19,8 @@
 #define PDSERVE_TILE_BF16 1
 #include <immintrin.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -37,23 +39,6 @@ struct TileScratch {
   std::vector<uint16_t> probs;  // [rows][blocks * 16], bf16 bits; zero past each row's limit
   std::vector<float> inv_sum;   // [rows]
 };
-
-// e^x for 16 lanes: x = n ln2 + r, e^r by its degree-6 Taylor polynomial, times 2^n by VSCALEFPS
-// (the same polynomial as vec.h's exp8); x below -87 gives ~0, never a denormal.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 720), _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);

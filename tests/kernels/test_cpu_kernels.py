@@ -195,7 +195,7 @@ def test_add_rms_norm_matches_the_torch_block_boundary(dtype):
     from engine.model.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(11)
-    norm = RMSNorm(100, 1e-6)  # 12 vectors of 8 lanes and a tail of 4
+    norm = RMSNorm(100, 1e-6)  # 6 vectors of 16 lanes (or 12 of 8) and a scalar tail of 4
     norm.weight.data = torch.randn(100, generator=gen)
     norm = norm.to(dtype)
     x = torch.randn(5, 100, generator=gen).to(dtype)
@@ -226,7 +226,7 @@ def test_rotary_in_place_matches_apply_rotary(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_matches_torch(dtype):
     gen = torch.Generator().manual_seed(2)
-    gate_up = (4 * torch.randn(6, 2 * 44, generator=gen)).to(dtype)  # 5 vectors and a tail of 4
+    gate_up = (4 * torch.randn(6, 2 * 44, generator=gen)).to(dtype)  # 16-lane, 8-lane and scalar steps
     # The vectorised exp's range ends, and past them: silu is ~x above, ~0 below.
     gate_up[0, :8] = torch.tensor([-1000.0, -100.0, -88.0, -87.0, 87.0, 88.0, 100.0, 1000.0])
     gate, up = gate_up.chunk(2, dim=-1)
