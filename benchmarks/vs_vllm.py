@@ -12,7 +12,8 @@ same seeded prompts and arrival times:
   slo-base  one request at a time in the sweep's shape (512 in, 128 out): the SLO's base values
   burst     64 requests of 512 tokens (128 out), at most 32 in flight: saturation throughput
   moderate  Poisson at half of vLLM's burst rate: TPOT p50 under moderate load
-  sweep     Poisson at --rates: SLO attainment per rate, the highest rate at >= 90%
+  sweep     Poisson at --rates (default: 0.25-1.25x vLLM's burst throughput): SLO attainment per
+            rate, the highest rate at >= 90%
   prefix    8 shared 1024-token prefixes + 128 unique tokens each, burst, 32 in flight
 
 SLO (stated in the output): TTFT and TPOT at 3x the best p50 of any system's slo-base run in this
@@ -199,7 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="builtin:small", help="built-in name or HF directory both systems serve")
     parser.add_argument("--dtype", default="float32", help="given to both systems (default float32)")
     parser.add_argument("--systems", default="vllm,colocated,1p1d", help="comma list of vllm, colocated, 1p1d")
-    parser.add_argument("--rates", default="0.5,1,1.5,2", help="Poisson rates of the sweep (req/s)")
+    parser.add_argument("--rates", default="", help="Poisson rates of the sweep (req/s); default: --rate-fractions "
+                        "of vLLM's burst throughput measured in this run, so the sweep reaches saturation on any machine")
+    parser.add_argument("--rate-fractions", default="0.25,0.5,0.75,1,1.25",
+                        help="the sweep's rates as fractions of vLLM's burst throughput (when --rates is not given)")
     parser.add_argument("--quick", action="store_true", help="half the requests per workload")
     parser.add_argument("--peer-script", default=str(REPO.parent / "shared/peer/vllm_cpu.sh"))
     parser.add_argument("--out", default=str(REPO / "docs/bench/vs-vllm"))
@@ -212,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(systems) - {"vllm", *CONFIGS}
     if unknown or "vllm" not in systems:
         parser.error(f"--systems must include vllm and name only vllm, colocated, 1p1d (got {args.systems})")
-    rates = tuple(float(r) for r in args.rates.split(","))
+    rates = tuple(float(r) for r in args.rates.split(",") if r.strip())  # () = planned from vLLM's burst
+    fractions = tuple(float(f) for f in args.rate_fractions.split(",") if f.strip())
     model_dir = resolve_model_path(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -229,19 +234,23 @@ def main(argv: list[str] | None = None) -> None:
     for system in systems:  # vllm first: the moderate rate is half of its burst rate
         plans = {}
         for name, (spec, opts) in specs.items():
+            if name in ("sweep", "moderate") and system == "vllm" and (name == "moderate" or not rates):
+                continue  # planned once the burst has measured vLLM's saturation rate
             if name == "sweep":
                 plans[name] = BenchPlan(spec, rates=rates, **opts)
             elif name == "moderate":
-                if system == "vllm":
-                    continue  # planned once the burst has measured vLLM's saturation rate
                 plans[name] = BenchPlan(spec, rates=(moderate_rate,), **opts)
             else:
                 plans[name] = BenchPlan(spec, **opts)
         if system == "vllm":
             with VllmServer(Path(args.peer_script), model_dir, args.dtype) as server:
                 results = run_plans(system, server.address, {k: plans[k] for k in ("unloaded", "slo-base", "burst")}, out)
-                moderate_rate = round(0.5 * results["burst"].runs[0].summary().request_throughput, 3)
+                saturation = results["burst"].runs[0].summary().request_throughput
+                moderate_rate = round(0.5 * saturation, 3)
                 plans["moderate"] = BenchPlan(specs["moderate"][0], rates=(moderate_rate,))
+                if not rates:
+                    rates = tuple(round(f * saturation, 2) for f in fractions)
+                    plans["sweep"] = BenchPlan(specs["sweep"][0], rates=rates, **specs["sweep"][1])
                 results |= run_plans(system, server.address, {k: plans[k] for k in ("moderate", "sweep", "prefix")},
                                      out)
         else:
