@@ -121,10 +121,12 @@ def packed_gemv_supported() -> bool:
     return _require().packed_gemv_supported()
 
 
-def packed_gemv(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= 8, K] bf16 times a weight [n, K] held in oneDNN's AMX layout (`blocked`: a flat bf16
-    view of its bytes; kernels/packed_linear.py); returns [M, n] bf16."""
-    return _require().packed_gemv(x, blocked, n, bias)
+def packed_gemv(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                block_n: int = 32, block_k: int = 32) -> torch.Tensor:
+    """x [M <= 8, K] bf16 times a weight [n, K] held in oneDNN's blocked bf16 layout (`blocked`: a
+    flat bf16 view of its bytes; blocks of `block_n` outputs, tiles of `block_k` inputs, see
+    kernels/cpu/packed_gemv.cpp; kernels/packed_linear.py finds which); returns [M, n] bf16."""
+    return _require().packed_gemv(x, blocked, n, bias, block_n, block_k)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:

@@ -48,43 +48,60 @@ def apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> t
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Up to this many rows, `PackedGemv` (kernels/cpu/packed_gemv.cpp) multiplies instead of oneDNN:
-# at 1 row it streamed builtin:small's 12 layers of weights at 32 GB/s against oneDNN's 27-28
-# (4.7 vs 5.5 ms, Sapphire Rapids, cold weights); at 2-8 rows it was slower than oneDNN's AMX
-# kernel (6.6-10 vs 5.3-6.1 ms), so batch 1 only.
-GEMV_MAX_ROWS = 1
+# Up to how many rows `PackedGemv` (kernels/cpu/packed_gemv.cpp) multiplies instead of oneDNN,
+# by layout. AMX (32 x 32 tiles): at 1 row it streamed builtin:small's 12 layers of weights at
+# 32 GB/s against oneDNN's 27-28 (4.7 vs 5.5 ms, Sapphire Rapids, cold weights); at 2-8 rows it
+# was slower than oneDNN's AMX kernel (6.6-10 vs 5.3-6.1 ms), so batch 1 only. AVX512-BF16
+# without AMX (blocks of 64 outputs): faster than oneDNN at every row count it serves, 2.85 vs
+# 3.58 ms at 1 row, 3.0 vs 4.8 at 2, 3.2 vs 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5).
+GEMV_MAX_ROWS = {32: 1, 64: 8}  # block_n -> rows
 PROBE_ROWS = 3  # the layout probe multiplies a few rows whatever the threshold
 
 
 class PackedGemv:
     """A packed bf16 weight read in place, for the few-row products of decode steps, by
     kernels/cpu/packed_gemv.cpp: `blocked` is a flat bf16 view of the packed tensor's own bytes
-    (no copy; `packed` is held so they stay alive)."""
+    (no copy; `packed` is held so they stay alive), in blocks of `block_n` outputs by tiles of
+    `block_k` inputs."""
 
-    def __init__(self, packed: torch.Tensor, blocked: torch.Tensor, out_features: int) -> None:
+    def __init__(self, packed: torch.Tensor, blocked: torch.Tensor, out_features: int, block_n: int = 32,
+                 block_k: int = 32) -> None:
         self.packed, self.blocked, self.out_features = packed, blocked, out_features
+        self.block_n, self.block_k = block_n, block_k
+        self.max_rows = GEMV_MAX_ROWS[block_n]  # engine/model/layers.py `linear` asks it for no more
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from kernels import cpu_ops
 
-        return cpu_ops.packed_gemv(x, self.blocked, self.out_features, bias)
+        return cpu_ops.packed_gemv(x, self.blocked, self.out_features, bias, self.block_n, self.block_k)
+
+
+def layouts(k: int) -> tuple[tuple[int, int], ...]:
+    """The (block_n, block_k) layouts oneDNN packs bf16 weights [N, k] in: 32 x 32 tiles on AMX
+    CPUs (`AB16b32a2b`), blocks of 64 outputs over the whole of K with AVX512-BF16 alone."""
+    return ((32, 32), (64, k))
 
 
 def gemv_for(packed: torch.Tensor | None, weight: torch.Tensor) -> PackedGemv | None:
-    """A PackedGemv over `packed` (= pack(weight)) where the CPU kernel serves it: bf16, both
-    dimensions multiples of 32, AVX512-BF16, and oneDNN's layout the AMX one the kernel reads,
-    which a probe product against F.linear on the plain weight confirms. None elsewhere."""
+    """A PackedGemv over `packed` (= pack(weight)) where the CPU kernel serves it: bf16, K a
+    multiple of 32, AVX512-BF16, and oneDNN's layout one the kernel reads (`layouts`), which a
+    probe product against F.linear on the plain weight picks. None elsewhere."""
     from kernels import cpu_ops
 
     if packed is None or weight.dtype != torch.bfloat16 or weight.dim() != 2 or cpu_ops.load() is None:
         return None
     n, k = weight.shape
     nbytes = torch.ops.mkldnn._nbytes(packed)
-    if n % 32 or k % 32 or nbytes != n * k * 2 or not cpu_ops.packed_gemv_supported():
+    if k % 32 or nbytes != n * k * 2 or not cpu_ops.packed_gemv_supported():
         return None
     buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
-    gemv = PackedGemv(packed, torch.frombuffer(buffer, dtype=torch.bfloat16), n)
+    blocked = torch.frombuffer(buffer, dtype=torch.bfloat16)
     probe = torch.randn(PROBE_ROWS, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     want = torch.nn.functional.linear(probe, weight).float()
-    ok = torch.allclose(gemv(probe, None).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    return gemv if ok else None
+    for block_n, block_k in layouts(k):
+        if n % block_n:
+            continue
+        gemv = PackedGemv(packed, blocked, n, block_n, block_k)
+        if torch.allclose(gemv(probe, None).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+            return gemv
+    return None

@@ -82,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ski
     `gemv` (the same packed bytes read by kernels/cpu/packed_gemv.cpp) where the weight has one;
     else through `skinny` for few-row 2-D inputs when the engine has one."""
     if weight.is_mkldnn:
-        if gemv is not None and x.dim() == 2 and x.shape[0] <= packed_linear.GEMV_MAX_ROWS:
+        if gemv is not None and x.dim() == 2 and x.shape[0] <= gemv.max_rows:
             return gemv(x, bias)
         return packed_linear.apply(x, weight, bias)
     if skinny is not None and x.dim() == 2 and x.shape[0] <= SKINNY_MAX_ROWS and weight.shape[1] % 8 == 0:

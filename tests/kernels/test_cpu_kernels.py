@@ -287,7 +287,7 @@ def _gemv_or_skip(weight: torch.Tensor):
     return packed, gemv
 
 
-@pytest.mark.parametrize("shape", [(256, 64), (96, 128), (32, 2048)])
+@pytest.mark.parametrize("shape", [(256, 64), (96, 128), (32, 2048), (128, 96), (64, 2048)])
 def test_packed_gemv_reads_onednns_layout_in_place(shape):
     """kernels/cpu/packed_gemv.cpp on the bytes oneDNN packed: F.linear's result within bf16
     rounding, for every row count it serves, with and without a bias."""
@@ -317,17 +317,32 @@ def test_packed_gemv_is_refused_where_it_would_be_wrong():
     assert packed_linear.gemv_for(packed_linear.pack(weight.float()), weight.float()) is None  # bf16 only
 
 
-def test_engine_linear_takes_the_packed_gemv_for_one_row_only():
+def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
+    """One row on AMX layouts, up to 8 where oneDNN packs for AVX512-BF16 alone
+    (kernels/packed_linear.py GEMV_MAX_ROWS); oneDNN multiplies the rest."""
     from engine.model.layers import ColumnParallelLinear, ParallelContext, linear, pack_weight
+    from kernels import packed_linear
 
-    layer = ColumnParallelLinear(64, [96], False, ParallelContext()).to(torch.bfloat16)
-    layer.weight.data.copy_(torch.randn(96, 64, generator=torch.Generator().manual_seed(4)))
+    layer = ColumnParallelLinear(64, [128], False, ParallelContext()).to(torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(128, 64, generator=torch.Generator().manual_seed(4)))
     _gemv_or_skip(layer.weight.data)
+    plain = layer.weight.data.clone()
     assert pack_weight(layer) and layer.gemv is not None
-    calls = []
     real = layer.gemv
-    layer.gemv = lambda x, bias: calls.append(x.shape[0]) or real(x, bias)
-    for rows in (1, 2, 5):
-        layer(torch.randn(rows, 64).to(torch.bfloat16))
-    assert calls == [1]
-    assert linear(torch.randn(1, 64).to(torch.bfloat16), layer.weight, None, None, None).shape == (1, 96)
+    assert real.max_rows == packed_linear.GEMV_MAX_ROWS[real.block_n] in (1, 8)
+    calls = []
+
+    class Spy:
+        max_rows = real.max_rows
+
+        def __call__(self, x, bias):
+            calls.append(x.shape[0])
+            return real(x, bias)
+
+    layer.gemv = Spy()
+    for rows in (1, 2, 5, 8, 9):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        want = torch.nn.functional.linear(x.float(), plain.float())
+        torch.testing.assert_close(layer(x).float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    assert calls == [r for r in (1, 2, 5, 8, 9) if r <= real.max_rows]
+    assert linear(torch.randn(1, 64).to(torch.bfloat16), layer.weight, None, None, None).shape == (1, 128)
