@@ -64,6 +64,21 @@ struct Item {
   int64_t num_kv_heads = 1;  // heads kv_head .. kv_head + num_kv_heads - 1, one after the other
 };
 
+// Rows of a decode token (its query heads of one KV head) scored and accumulated in one pass
+// over the keys: each K/V row is loaded once for all of them. Three rather than pairs (the
+// prefill rows' blocks): builtin:small's 3-head groups read their keys once, not twice, which
+// took 32 decodes x 600 tokens from 1.10 to 0.45 ms a layer (bf16, Zen 5, cache-resident);
+// four would not fit the registers at head_dim 64.
+constexpr int64_t kDecodeRows = 3;
+
+// f(std::integral_constant<int, R>) for R = min(remaining, kDecodeRows).
+template <typename F>
+inline void with_row_count(int64_t remaining, F&& f) {
+  if (remaining >= 3) f(std::integral_constant<int, 3>{});
+  else if (remaining == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
 // Query tokens from which a bf16 tile goes to the matrix-product path of prefill_tile_bf16.h.
 constexpr int64_t kMinTileQueries = 4;
 
@@ -271,6 +286,14 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
     // Two rows at a time share each key load; rows are in query order, so when row r sees
     // the page, row r + 1 does too. score(r, R) scores rows r .. r + R - 1.
     auto each_row_block = [&](auto&& score) {
+      if (n_q == 1 && rows == kDecodeRows) {  // one decode token's heads see the same keys
+        score(0, std::integral_constant<int, kDecodeRows>{});
+        return;
+      }
+      if (n_q == 1) {  // other group sizes: three at a time
+        for (int64_t r = 0; r < rows; r += kDecodeRows) with_row_count(rows - r, [&](auto R) { score(r, R); });
+        return;
+      }
       int64_t r = 0;
       for (; r + 1 < rows; r += 2) {
         if (limits[r] <= t0) {  // causal: the page is in row r's future (r + 1 may still see it)
@@ -340,6 +363,18 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
       prefetch_page(page_base(v_cache, p + kPrefetchPages), page_tokens(p + kPrefetchPages),
                     tok_stride * sizeof(scalar_t), slice_bytes);
     auto accumulate_page = [&](const auto& vp) {
+      if (n_q == 1 && rows == kDecodeRows) {  // as in pass 1
+        accumulate_rows<NV, kDecodeRows>(vp, n, scores.data() + t0, row_len, acc.data());
+        return;
+      }
+      if (n_q == 1) {
+        for (int64_t r = 0; r < rows; r += kDecodeRows)
+          with_row_count(rows - r, [&](auto R) {
+            accumulate_rows<NV, decltype(R)::value>(vp, n, scores.data() + r * row_len + t0, row_len,
+                                                    acc.data() + r * NV);
+          });
+        return;
+      }
       int64_t r = 0;
       for (; r + 1 < rows; r += 2) {  // two rows share each value load, as in pass 1
         const int64_t m0 = std::min(n, limits[r] - t0), m1 = std::min(n, limits[r + 1] - t0);
