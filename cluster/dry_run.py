@@ -13,6 +13,7 @@ from cluster.placement import shard_bundles
 from cluster.specs import NODE_IP, serving_pools, worker_spec
 from cluster.worker_launch import on_loopback
 from configs import ClusterConfig
+from configs.cluster import RouterConfig
 
 
 def internal_host(config: ClusterConfig) -> str:
@@ -25,6 +26,18 @@ def internal_host(config: ClusterConfig) -> str:
     return "127.0.0.1" if on_loopback(config) else NODE_IP
 
 
+def _guard(r: RouterConfig) -> str:
+    """The public doors' protection, named by its sources (never the key itself)."""
+    parts = []
+    if r.wants_tls:
+        parts.append(f"TLS {r.tls_cert_file}")
+    if r.wants_api_key:
+        source = (f"env {r.api_key_env}" if r.api_key_env else f"file {r.api_key_file}" if r.api_key_file
+                  else "the YAML")
+        parts.append(f"API key from {source}")
+    return "; " + ", ".join(parts) if parts else ""
+
+
 def plan(config: ClusterConfig) -> list[str]:
     """One line per process group `up` would start (router first), each spec built and checked."""
     router_host = internal_host(config)
@@ -32,7 +45,7 @@ def plan(config: ClusterConfig) -> list[str]:
     lines = [f"router: gRPC {r.host}:{r.grpc_port}"
              + (f", HTTP {r.host}:{r.http_port}" if r.http_port else "")
              + f"; worker events {router_host}:{r.worker_event_port}, control {router_host}:{r.control_port}"
-             + f"; model {config.model}, mode {config.mode}"]
+             + f"; model {config.model}, mode {config.mode}" + _guard(r)]
     for role, pool in serving_pools(config):
         for index in range(pool.num_workers):
             spec = worker_spec(config, role, index, router_host if on_loopback(config) else NODE_IP, router_host)

@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.specs import model_cache_dir, router_spec
 from cluster.worker_launch import WorkerSlot, start_worker, worker_host
 from configs import ClusterConfig
+from router.security import FrontDoorSecurity
 
 RUN_DIR_ENV = "PDSERVE_RUN_DIR"
 
@@ -94,6 +95,8 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
     from cluster.actors import RouterActor
     from engine.model.loader import resolve_model_path
 
+    # The API key and TLS files, read and checked before anything starts (an unset variable fails here).
+    security = FrontDoorSecurity.load(config.router)
     owns_ray = _init_ray(config)
     host = worker_host(config)
     slots: dict[str, WorkerSlot] = {}
@@ -110,7 +113,7 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
         for wid, address in wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say).items():
             slots[wid].resolve(address)
         # The event socket binds the internal address, never a public 0.0.0.0.
-        spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], host)
+        spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], host, security)
         # Pinned to this node: router.host (or, for 0.0.0.0, this node's IP) is where clients and
         # workers find it. Several calls at once: a drain waits on the router while status reads it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -122,8 +125,11 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             if time.monotonic() > deadline:
                 raise TimeoutError("router: workers did not report healthy in time")
             time.sleep(0.2)
-        say(f"router: serving gRPC on {host}:{config.router.grpc_port}"
-            + (f", OpenAI-compatible HTTP on {host}:{config.router.http_port}" if config.router.http_port else ""))
+        r = config.router
+        guard = ", ".join([*(["TLS"] if r.wants_tls else []), *(["API key"] if r.wants_api_key else [])])
+        say(f"router: serving gRPC on {host}:{r.grpc_port}"
+            + (f", OpenAI-compatible HTTP on {host}:{r.http_port}" if r.http_port else "")
+            + (f" ({guard})" if guard else ""))
     except BaseException:
         if router is not None:  # on a joined Ray cluster a named router left behind blocks the next `up`
             ray.kill(router)
@@ -168,17 +174,20 @@ def write_state(config_path: str | Path, cluster: RunningCluster) -> Path:
 
 
 def metrics_targets(config: ClusterConfig, workers: list[tuple[str, int]] | None = None) -> list[dict]:
-    """Prometheus file_sd entries: the router's HTTP port (its /metrics) and every worker's
-    metrics port, each labelled with what it is. `workers`: (role, index) of the running
-    workers; None = those the config starts with."""
+    """Prometheus file_sd entries: the router's HTTP port (its /metrics, unless router.http_metrics
+    is off) and every worker's metrics port, each labelled with what it is. `workers`: (role,
+    index) of the running workers; None = those the config starts with. With router.api_key*
+    set, the scrape job needs the key (`authorization: {credentials_file: ...}`)."""
     host = worker_host(config)
     if workers is None:
         workers = [(role, i) for role in ("prefill", "decode", "colocated") if getattr(config, role) is not None
                    for i in range(getattr(config, role).num_workers)]
     targets = []
-    if config.router.http_port is not None:
-        targets.append({"targets": [f"{host}:{config.router.http_port}"],
-                        "labels": {"job": "pdserve-router", "component": "router"}})
+    r = config.router
+    if r.http_port is not None and r.http_metrics:
+        # __scheme__: file_sd's way to say a target is scraped over https (router.tls_cert_file).
+        labels = {"job": "pdserve-router", "component": "router", **({"__scheme__": "https"} if r.wants_tls else {})}
+        targets.append({"targets": [f"{host}:{r.http_port}"], "labels": labels})
     roles = ("prefill", "decode", "colocated")
     for role, i in sorted(workers, key=lambda w: (roles.index(w[0]), w[1])):
         pool = getattr(config, role)

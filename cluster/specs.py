@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from configs import ClusterConfig, EngineConfig
 from configs.cluster import PoolConfig
+from router.security import FrontDoorSecurity
 from router.spec import RouterSpec
 from router.worker_pool import WorkerEndpoint
 
@@ -96,15 +97,17 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
 
 
 def router_spec(config: ClusterConfig, model_dir: str, endpoints: list[WorkerEndpoint], router_host: str,
-                default_timeout_s: float = 600.0) -> RouterSpec:
+                security: FrontDoorSecurity | None = None, default_timeout_s: float = 600.0) -> RouterSpec:
     """The router of `config`, serving the checkpoint at `model_dir` (see `model_cache_dir`) with
-    workers at `endpoints`; its event socket binds `router_host`:router.worker_event_port."""
+    workers at `endpoints`; its event socket binds `router_host`:router.worker_event_port.
+    `security`: the API key and TLS files already loaded from config.router; None = load them here."""
     limits = [pool.engine.max_model_len for _, pool in serving_pools(config) if pool.engine.max_model_len]
     return RouterSpec(
         model_dir=str(model_dir), model_name=config.model, mode=config.mode, endpoints=tuple(endpoints),
         event_address=f"{router_host}:{config.router.worker_event_port}", router=config.router,
         kv_timeout_s=config.kv_transfer.timeout_s, lease_s=config.kv_transfer.reservation_lease_s,
-        max_model_len=min(limits) if limits else None, default_timeout_s=default_timeout_s)
+        max_model_len=min(limits) if limits else None, default_timeout_s=default_timeout_s,
+        security=FrontDoorSecurity.load(config.router) if security is None else security)
 
 
 def model_cache_dir(config: ClusterConfig) -> str | None:

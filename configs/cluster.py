@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from configs.engine import EngineConfig, EngineSettings
 from configs.logging_setup import LoggingConfig
@@ -55,6 +55,38 @@ class RouterConfig(_Strict):
     max_timeout_s: float = Field(3600.0, gt=0, description="the longest timeout_s a request may ask for")
     control_port: int = Field(52001, ge=1, le=65535,
                               description="the `up` process answers `pdserve status` / `pdserve scale` here")
+    # The public doors' own protection (README "Security"; router/security.py). An API key, from at
+    # most one source, is asked of every call but health checks; SecretStr keeps it out of every repr.
+    api_key: SecretStr | None = Field(None, description="the key itself; prefer api_key_env or api_key_file")
+    api_key_env: str | None = Field(None, min_length=1, description="environment variable of `pdserve up` "
+                                    "holding the API key")
+    api_key_file: str | None = Field(None, min_length=1, description="file holding the API key (whitespace "
+                                     "around it ignored)")
+    tls_cert_file: str | None = Field(None, min_length=1, description="PEM certificate chain: gRPC and HTTP "
+                                      "serve TLS (with tls_key_file)")
+    tls_key_file: str | None = Field(None, min_length=1, description="PEM private key of tls_cert_file")
+    grpc_reflection: bool = Field(True, description="serve gRPC server reflection (asks for the API key when set)")
+    http_metrics: bool = Field(True, description="serve Prometheus /metrics on http_port (asks for the API key "
+                               "when set)")
+
+    @property
+    def wants_api_key(self) -> bool:
+        return any(v is not None for v in (self.api_key, self.api_key_env, self.api_key_file))
+
+    @property
+    def wants_tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    @model_validator(mode="after")
+    def _check_security(self) -> RouterConfig:
+        sources = [name for name in ("api_key", "api_key_env", "api_key_file") if getattr(self, name) is not None]
+        if len(sources) > 1:
+            raise ValueError(f"give the API key one way, not {' and '.join(sources)}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            given, missing = ("tls_cert_file", "tls_key_file") if self.tls_key_file is None else \
+                ("tls_key_file", "tls_cert_file")
+            raise ValueError(f"{given} needs {missing}: TLS takes a certificate and its private key")
+        return self
 
 
 class AutoscalingConfig(_Strict):

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP front door: /v1/completions, /v1/chat/completions (JSON or
-server-sent events), /v1/models, /health and the router's Prometheus /metrics, served by the
-router beside gRPC.
+server-sent events), /v1/models, /health and the router's Prometheus /metrics (optional), served
+by the router beside gRPC, behind the same optional API key and TLS (router/security.py).
 
 Each request is translated into the same GenerateRequest the gRPC service takes and runs
 through `Router.run` (validation, admission, journey), so both doors behave alike. Errors use
@@ -23,6 +23,7 @@ from aiohttp import web
 
 from proto import pdserve_pb2 as pb
 from router.journey_state import RouterError
+from router.security import OPEN_HTTP_PATHS
 from router.server import Router
 
 # Used when the model ships no chat template: one line per turn, then the assistant's cue.
@@ -45,8 +46,9 @@ class BadRequest(Exception):
         self.param = param
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+def error_response(status: int, message: str, kind: str, param: str | None = None,
+                   code: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
 
 
@@ -58,11 +60,14 @@ class OpenAIServer:
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
         self.chat_template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
-        self.app = web.Application()
+        self.security = router.spec.security
+        self.app = web.Application(middlewares=[self._check_key] if self.security.api_key else [])
         self.app.add_routes([
-            web.get("/health", self.health), web.get("/metrics", self.metrics), web.get("/v1/models", self.models),
+            web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
         ])
+        if router.spec.router.http_metrics:
+            self.app.add_routes([web.get("/metrics", self.metrics)])
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -70,13 +75,26 @@ class OpenAIServer:
         # request's journey and aborts it on every worker (streaming or not).
         self._runner = web.AppRunner(self.app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.security.ssl_context())
         await site.start()
         return site._server.sockets[0].getsockname()[1]  # the bound port (port 0 picks one)
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every path but /health asks for the key, checked before the body is read."""
+        if request.path in OPEN_HTTP_PATHS:
+            return await handler(request)
+        reason = self.security.api_key.check(request.headers.get("Authorization"))
+        if reason is None:
+            return await handler(request)
+        self.router.refused("http", reason)
+        response = error_response(401, reason, "invalid_request_error", code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"  # RFC 6750: the scheme the client should use
+        return response
 
     async def health(self, request: web.Request) -> web.Response:
         ready = self.router.is_ready()

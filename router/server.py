@@ -1,4 +1,5 @@
-"""The router process's gRPC front door: the Generation service, grpc.health.v1 and reflection.
+"""The router process's gRPC front door: the Generation service, grpc.health.v1 and reflection
+(optional), behind the optional API key and TLS (router/security.py).
 
 `Router.start` binds the gRPC port and the worker event port and returns; requests then run
 concurrently as asyncio tasks, each through validation (router/validation.py), admission
@@ -29,6 +30,7 @@ from router.journey_state import JourneySettings, RouterError
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.prefill_gate import PrefillGate
+from router.security import ApiKeyInterceptor
 from router.slo import SloTargets
 from router.spec import RouterSpec
 from router.tokenizer import RouterTokenizer
@@ -84,7 +86,10 @@ class Router:
         self.pool = WorkerPool(self.endpoints, self.event_address, self.heartbeat_timeout_s,
                                on_reject=lambda reason: rejected.labels("worker_events", reason).inc())
         self.pool.start()
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        security = self.spec.security
+        # The key is checked before a request is read (health checks stay open, router/security.py).
+        interceptors = [ApiKeyInterceptor(security.api_key, self.refused)] if security.api_key else []
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         service = _GenerationService(self)
         # Registered by hand (not add_GenerationServicer_to_server) for the lenient request
         # deserializer: a request protobuf cannot parse still gets INVALID_ARGUMENT, not INTERNAL.
@@ -98,10 +103,13 @@ class Router:
         }
         self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self.server)
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        if self.spec.router.grpc_reflection:
+            reflection.enable_server_reflection(
+                (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+                self.server)
+        credentials = security.grpc_credentials()
+        bound = self.server.add_secure_port(f"{host}:{port}", credentials) if credentials else \
+            self.server.add_insecure_port(f"{host}:{port}")
         await self.server.start()
         self._health_task = asyncio.get_running_loop().create_task(self._watch_health())
         return bound
@@ -244,6 +252,11 @@ class Router:
             self.num_in_flight -= 1
             self.metrics.in_flight.dec()
 
+
+    def refused(self, door: str, reason: str) -> None:
+        """A call without the right API key, refused before any work (counted; never the key logged)."""
+        self.metrics.request_failed(grpc.StatusCode.UNAUTHENTICATED.name, admitted=False)
+        self.log.event("unauthenticated", None, level=logging.WARNING, door=door, reason=reason)
 
     def _failed(self, request_id: str, code: grpc.StatusCode, message: str, admitted: bool) -> None:
         self.metrics.request_failed(code.name, admitted)

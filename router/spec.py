@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from configs.cluster import RouterConfig
+from router.security import FrontDoorSecurity
 from router.worker_pool import WorkerEndpoint
 
 
@@ -29,10 +30,20 @@ class RouterSpec:
     # of the pools'); None = the model's own context. Prompts at or over it get INVALID_ARGUMENT.
     max_model_len: int | None = None
     default_timeout_s: float = 600.0  # a request without its own timeout_s ends after this
+    # The API key and TLS files `router` asks for, resolved where the spec is built
+    # (FrontDoorSecurity.load): the router never reads the YAML's environment variable itself.
+    security: FrontDoorSecurity = field(default_factory=FrontDoorSecurity)
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"unknown mode {self.mode!r}; choose 'disaggregated' or 'colocated'")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        # Fail closed: a config that asks for a key or TLS never yields an open router.
+        if self.router.wants_api_key and self.security.api_key is None:
+            raise ValueError("router config asks for an API key but the spec carries none: "
+                             "build it with FrontDoorSecurity.load (cluster/specs.py router_spec)")
+        if self.router.wants_tls and not self.security.tls:
+            raise ValueError("router config asks for TLS but the spec carries no certificate: "
+                             "build it with FrontDoorSecurity.load (cluster/specs.py router_spec)")
         object.__setattr__(self, "endpoints", tuple(self.endpoints))
