@@ -11,11 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loadgen import plot_if_available
 from loadgen.compare import comparison_rows, format_table
+from loadgen.credentials import NO_AUTH, ClientAuth
 from loadgen.results import BenchResult, write_result
 from loadgen.runner import BenchPlan, run_bench
+
+if TYPE_CHECKING:
+    from configs import ClusterConfig
 
 
 def target_address(config, grpc_address: str, backend: str) -> str:
@@ -24,11 +29,14 @@ def target_address(config, grpc_address: str, backend: str) -> str:
         return grpc_address
     if config.router.http_port is None:
         raise ValueError("--backend openai needs router.http_port set in every compared config")
-    return f"http://{grpc_address.rsplit(':', 1)[0]}:{config.router.http_port}"
+    scheme = "https" if config.router.wants_tls else "http"
+    return f"{scheme}://{grpc_address.rsplit(':', 1)[0]}:{config.router.http_port}"
 
 
 def run_compare(config_paths: list[Path], plan: BenchPlan, backend: str, out_dir: Path, timeout_s: float = 300.0,
-                progress: bool = True, say: Callable[[str], None] = print) -> list[BenchResult]:
+                progress: bool = True, say: Callable[[str], None] = print,
+                auth_for: Callable[[ClusterConfig], ClientAuth] = lambda config: NO_AUTH) -> list[BenchResult]:
+    """`auth_for(config)`: what to present to that config's router (cluster/client_auth.py)."""
     from cluster.lifecycle import Cluster
     from configs import load_cluster_config
 
@@ -43,7 +51,7 @@ def run_compare(config_paths: list[Path], plan: BenchPlan, backend: str, out_dir
         # `pdserve status` works against it and a worker dying mid-run is replaced.
         with Cluster(config, path, timeout_s=timeout_s, say=say) as cluster:
             result = run_bench(backend, target_address(config, cluster.grpc_address, backend), plan, label,
-                               progress=progress, say=say)
+                               progress=progress, say=say, auth=auth_for(config))
         say(f"== {label}: cluster stopped")
         json_path, _ = write_result(result, out_dir)
         say(f"   wrote {json_path} and its .csv")

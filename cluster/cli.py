@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster import cmd_bench, cmd_cluster, cmd_requests
+from cluster.client_auth import add_client_auth_args
 
 
 def _sampling_args(parser: argparse.ArgumentParser, served: bool = True) -> None:
@@ -51,6 +52,7 @@ def _bench_workload_args(parser: argparse.ArgumentParser, default_out: str) -> N
 
     parser.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
                         help="grpc: pdserve's router; openai: any server's streaming /v1/completions (default grpc)")
+    add_client_auth_args(parser)
     w = parser.add_argument_group("workload (seeded: the same flags send the same tokens at the same times)")
     w.add_argument("--workload", default="fixed", choices=WORKLOADS,
                    help="fixed: lengths from the distributions; mixed: short prompts plus a --long-fraction of "
@@ -139,12 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--config", help="YAML of a cluster started with 'pdserve up'")
     where.add_argument("--address", help="router gRPC address HOST:PORT")
     _sampling_args(gen)
+    add_client_auth_args(gen)
     gen.set_defaults(func=cmd_requests.generate)
 
     demo = sub.add_parser("demo", help="start a cluster, stream one completion through it, stop it")
     demo.add_argument("config", help="cluster YAML (e.g. configs/local.yaml)")
     demo.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="prompt text")
     _sampling_args(demo)
+    add_client_auth_args(demo)
     demo.set_defaults(func=cmd_requests.demo)
 
     b = sub.add_parser(

@@ -26,6 +26,7 @@ def bench_plan(args: argparse.Namespace):
 
 
 def bench(args: argparse.Namespace) -> int:
+    from cluster.client_auth import client_auth
     from loadgen import plot_if_available
     from loadgen.results import write_result
     from loadgen.runner import run_bench
@@ -34,7 +35,8 @@ def bench(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve: bench needs --address (gRPC HOST:PORT, or the HTTP base URL with --backend openai)")
     plan = bench_plan(args)
     label = args.label or args.workload
-    result = run_bench(args.backend, args.address, plan, label, model=args.model, progress=not args.no_progress)
+    result = run_bench(args.backend, args.address, plan, label, model=args.model, progress=not args.no_progress,
+                       auth=client_auth(args))
     out = Path(args.out)
     paths = [*write_result(result, out)] + ([] if args.no_plots else plot_if_available([result], out, prefix=f"{label}-"))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -60,11 +62,12 @@ def bench_plot(args: argparse.Namespace) -> int:
 
 def bench_compare(args: argparse.Namespace) -> int:
     from cluster.bench_compare import run_compare
+    from cluster.client_auth import client_auth
     from cluster.lifecycle import refuse_if_up
 
     for config in args.configs:  # its ports are taken: refuse before starting anything
         refuse_if_up(config)
     results = run_compare([Path(c) for c in args.configs], bench_plan(args), args.backend, Path(args.out),
                           timeout_s=args.timeout, progress=not args.no_progress,
-                          say=lambda line: print(line, flush=True))
+                          say=lambda line: print(line, flush=True), auth_for=lambda cfg: client_auth(args, cfg))
     return 0 if all(r.ok for res in results for run in res.runs for r in run.records) else 1

@@ -7,8 +7,12 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from cluster.cmd_cluster import say
+
+if TYPE_CHECKING:
+    from configs import ClusterConfig
 
 
 def complete(args: argparse.Namespace) -> int:
@@ -69,18 +73,22 @@ def demo(args: argparse.Namespace) -> int:
     from cluster.lifecycle import Cluster
     from configs import load_cluster_config
 
-    with Cluster(load_cluster_config(args.config), args.config, say=say) as cluster:
+    config = load_cluster_config(args.config)
+    with Cluster(config, args.config, say=say) as cluster:
         args.address, args.config = cluster.grpc_address, None
         say(f"pdserve: sending {args.prompt!r} to the router at {cluster.grpc_address}\n")
         sys.stdout.write(args.prompt)
-        code = generate(args)
+        code = generate(args, config)
     say("pdserve: cluster stopped")
     return code
 
 
-def generate(args: argparse.Namespace) -> int:
+def generate(args: argparse.Namespace, config: ClusterConfig | None = None) -> int:
+    """Streams one reply from the router at --address, or of the cluster --config (or `config`,
+    the YAML `demo` started) names, presenting the key and TLS settings it asks for."""
     import grpc
 
+    from cluster.client_auth import client_auth
     from proto import pdserve_pb2 as pb
     from proto import pdserve_pb2_grpc
 
@@ -92,16 +100,18 @@ def generate(args: argparse.Namespace) -> int:
         if args.config is None:
             raise SystemExit("pdserve: give --config CONFIG.yaml (of a cluster started with 'pdserve up') or --address")
         state = launcher.read_state(args.config)
-        cfg = load_cluster_config(args.config)
-        address = state["grpc_address"] if state else f"{cfg.router.host}:{cfg.router.grpc_port}"
+        config = load_cluster_config(args.config)
+        address = state["grpc_address"] if state else f"{config.router.host}:{config.router.grpc_port}"
+    auth = client_auth(args, config)
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, ignore_eos=args.ignore_eos, stop=args.stop or [])
     if args.seed is not None:
         sampling.seed = args.seed
-    with grpc.insecure_channel(address) as channel:
+    with auth.grpc_channel(address) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         try:
-            for resp in stub.Generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout):
+            for resp in stub.Generate(pb.GenerateRequest(text=args.prompt, sampling=sampling), timeout=args.timeout,
+                                      metadata=auth.grpc_metadata()):
                 sys.stdout.write(resp.text)
                 sys.stdout.flush()
                 last = resp

@@ -5,7 +5,8 @@ Second step of a bench run (loadgen/runner.py): each BenchRequest is sent by a b
 timestamps every streamed chunk that carries output as it arrives and returns a
 RequestRecord (loadgen/metrics.py computes TTFT/TPOT/ITL/E2E from those times). Both
 backends stamp the same moment: when a chunk with new output has been read off the socket.
-Prompts go as token ids and every request sets `ignore_eos`, so output lengths are exact.
+Prompts go as token ids and every request sets `ignore_eos`, so output lengths are exact. A
+secured router gets the API key and TLS settings of a ClientAuth (loadgen/credentials.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Self
 import aiohttp
 import grpc
 
+from loadgen.credentials import API_KEY_ENV, NO_AUTH, ClientAuth
 from loadgen.metrics import RequestRecord
 from loadgen.workloads import BenchRequest
 from proto import pdserve_pb2 as pb
@@ -47,12 +49,13 @@ class GrpcBackend(BaseBackend):
 
     name = "grpc"
 
-    def __init__(self, address: str, model: str | None = None) -> None:
+    def __init__(self, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH) -> None:
         self.address = address
+        self.auth = auth
         self._channel: grpc.aio.Channel | None = None
 
     async def __aenter__(self) -> Self:
-        self._channel = grpc.aio.insecure_channel(self.address)
+        self._channel = self.auth.grpc_aio_channel(self.address)
         self._stub = pdserve_pb2_grpc.GenerationStub(self._channel)
         return self
 
@@ -64,7 +67,7 @@ class GrpcBackend(BaseBackend):
                                  sampling=pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True))
         times, n = [], 0
         try:
-            async for resp in self._stub.Generate(req, timeout=REQUEST_TIMEOUT_S):
+            async for resp in self._stub.Generate(req, timeout=REQUEST_TIMEOUT_S, metadata=self.auth.grpc_metadata()):
                 if resp.token_ids:
                     times.append(time.perf_counter())
                     n += len(resp.token_ids)
@@ -86,19 +89,24 @@ class OpenAIBackend(BaseBackend):
 
     name = "openai"
 
-    def __init__(self, address: str, model: str | None = None) -> None:
-        self.base_url = (address if "://" in address else f"http://{address}").rstrip("/").removesuffix("/v1")
+    def __init__(self, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH) -> None:
+        self.base_url = auth.base_url(address).rstrip("/").removesuffix("/v1")
         self.model = model
+        self.auth = auth
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
         # limit=0: no client-side connection pool cap, or requests would queue here unmeasured.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
+            connector=aiohttp.TCPConnector(limit=0, ssl=self.auth.ssl_context() or True),
+            headers=self.auth.http_headers(), timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S))
         if self.model is None:  # the server's first model, as peer benchmark tools do
             try:
                 async with self._session.get(f"{self.base_url}/v1/models") as resp:
+                    if resp.status in (401, 403):
+                        await self._session.close()
+                        raise RuntimeError(f"{self.base_url} refused the API key (HTTP {resp.status}): give it with "
+                                           f"${API_KEY_ENV} or --api-key-file")
                     resp.raise_for_status()
                     self.model = (await resp.json())["data"][0]["id"]
             except (aiohttp.ClientError, TimeoutError, KeyError, IndexError) as exc:
@@ -144,7 +152,7 @@ class OpenAIBackend(BaseBackend):
 BACKENDS: dict[str, type[BaseBackend]] = {"grpc": GrpcBackend, "openai": OpenAIBackend}
 
 
-def make_backend(kind: str, address: str, model: str | None = None) -> BaseBackend:
+def make_backend(kind: str, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH) -> BaseBackend:
     if kind not in BACKENDS:
         raise ValueError(f"unknown backend {kind!r}; choose one of {tuple(BACKENDS)}")
-    return BACKENDS[kind](address, model)
+    return BACKENDS[kind](address, model, auth)

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from loadgen.client import BaseBackend, make_backend
+from loadgen.credentials import NO_AUTH, ClientAuth
 from loadgen.metrics import SLO, RequestRecord
 from loadgen.results import BenchResult, BenchRun
 from loadgen.workloads import (
@@ -101,10 +102,12 @@ async def _run_all(backend: BaseBackend, plan: BenchPlan, progress: bool, say: C
 
 
 def run_bench(backend_kind: str, address: str, plan: BenchPlan, label: str, model: str | None = None,
-              progress: bool = True, say: Callable[[str], None] = print) -> BenchResult:
+              progress: bool = True, say: Callable[[str], None] = print, auth: ClientAuth = NO_AUTH
+              ) -> BenchResult:
     """Runs the plan against one server, one rate after another (each rate on fresh prompts of
-    the same shape; every server given the same plan gets the same prompts at the same times)."""
-    backend = make_backend(backend_kind, address, model)
+    the same shape; every server given the same plan gets the same prompts at the same times);
+    `auth`: the API key and TLS settings of a secured server."""
+    backend = make_backend(backend_kind, address, model, auth)
     runs = asyncio.run(_run_all(backend, plan, progress, say))
     result = BenchResult(label, backend_kind, address, asdict(plan.workload), plan.slo, plan.burstiness,
                          plan.max_concurrency, tuple(runs))
