@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.specs import router_spec, worker_spec
 from cluster.worker_host import WorkerHost
 from configs import ClusterConfig, EngineConfig
 from engine.metrics.peak import Peak
+from loadgen.credentials import ClientAuth
 from proto import pdserve_pb2_grpc
 from router.server import Router
 from router.worker_pool import WorkerEndpoint
@@ -98,7 +98,9 @@ class LocalCluster:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.port = asyncio.run_coroutine_threadsafe(self.router.start("127.0.0.1", 0), self.loop).result(30)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        # A TLS router (router.tls_cert_file) is dialled trusting its own, self-signed, certificate.
+        r = self.config.router
+        self.channel = ClientAuth(tls=r.wants_tls, tls_ca_file=r.tls_cert_file).grpc_channel(f"127.0.0.1:{self.port}")
         self.stub = pdserve_pb2_grpc.GenerationStub(self.channel)
         health = health_pb2_grpc.HealthStub(self.channel)
         deadline = time.monotonic() + ready_timeout_s
