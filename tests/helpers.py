@@ -44,3 +44,25 @@ def prefill_and_ship(prefill, decode, request_id: str, prompt: list[int]) -> int
     decode.kv_cache.write_pages(list(res.page_ids[skip:]), prefill.kv_cache.read_pages(list(held.page_ids[skip:])))
     prefill.handoff.release(request_id)
     return first
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses of every TCP socket listening on `port` on this machine ("0.0.0.0" or
+    "::" when one listens on every interface), read from /proc/net/tcp{,6}: no `ss` needed."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            # The kernel prints each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, 2 * width, 8))
+            found.add(str(ipaddress.ip_address(raw)))
+    return found

@@ -22,15 +22,20 @@ import torch.distributed as dist
 
 from engine.kv_transfer.frames import Frame, parse_header
 from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
+from engine.parallel.tcp_store import open_tcp_store
 
 log = logging.getLogger(__name__)
 PREFIX = "dist:"
 
 
 def join_group(rank: int, world_size: int, store_address: str, backend: str = "gloo", timeout_s: float = 120) -> None:
-    """Joins the KV process group (blocks until every rank has joined)."""
+    """Joins the KV process group (blocks until every rank has joined). Rank 0 hosts the group's
+    store, listening on store_address's host only (an `init_method="tcp://..."` store listens on
+    every interface: engine/parallel/tcp_store.py)."""
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://{store_address}", rank=rank, world_size=world_size,
+        host, port = store_address.rsplit(":", 1)
+        store = open_tcp_store(host, int(port), world_size, rank == 0, timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.model.config import ModelConfig
+from engine.parallel.tcp_store import open_tcp_store
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,12 @@ class ShardGroup:
 
     @staticmethod
     def open_store(layout: ShardLayout, store_address: str, timeout_s: float = 120.0) -> dist.TCPStore:
-        """The group's rendezvous: rank 0 hosts it at store_address (port 0 = any free port,
-        read back from `.port`), the others connect to it."""
+        """The group's rendezvous: rank 0 hosts it at store_address, listening on that host only
+        (port 0 = any free port, read back from `.port`), the others connect to it."""
         host, port = store_address.rsplit(":", 1)
         if host.startswith("127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a loopback group: keep gloo on lo
-        return dist.TCPStore(host, int(port), layout.world_size, is_master=layout.rank == 0,
-                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return open_tcp_store(host, int(port), layout.world_size, layout.rank == 0, timeout_s)
 
     @classmethod
     def join(cls, layout: ShardLayout, store_address: str, backend: str = "gloo",
