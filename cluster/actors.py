@@ -31,9 +31,14 @@ class WorkerActor:
         self.host = WorkerHost(spec)
         self.host.start()
 
-    def ready(self) -> str:
-        """The command address the router sends to (host:port this worker bound)."""
-        return self.host.command_address
+    def ready(self) -> WorkerSpec:
+        """This worker's spec with the host it bound: the command address the router sends to,
+        and, for a decode worker, the KV address prefill workers may push to."""
+        return self.host.spec
+
+    def set_kv_destinations(self, addresses: tuple[str, ...]) -> None:
+        """Prefill: the KV addresses of the cluster's decode workers (cluster/kv_destinations.py)."""
+        self.host.set_kv_destinations(addresses)
 
     def page_stats(self) -> dict[str, int]:
         return self.host.page_stats()

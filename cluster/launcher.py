@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.kv_destinations import share_kv_destinations
 from cluster.specs import model_cache_dir, router_spec
 from cluster.worker_launch import WorkerSlot, start_worker, worker_host
 from configs import ClusterConfig
@@ -110,8 +111,12 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
             for i in range(pool.num_workers if pool is not None else 0):
                 slot = start_worker(config, role, i, timeout_s)
                 slots[slot.worker_id] = slot
-        for wid, address in wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say).items():
-            slots[wid].resolve(address)
+        for wid, bound in wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say).items():
+            slots[wid].resolve(bound)
+        # Before the router exists: a prefill worker accepts KV destinations only among these.
+        unreached = share_kv_destinations(slots.values(), timeout_s)
+        if unreached:
+            raise RuntimeError(f"{', '.join(unreached)} could not be told where the decode workers take KV")
         # The event socket binds the internal address, never a public 0.0.0.0.
         spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], host, security)
         # Pinned to this node: router.host (or, for 0.0.0.0, this node's IP) is where clients and

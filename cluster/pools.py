@@ -3,7 +3,8 @@ workers, and the `pdserve status` report. Runs in the `pdserve up` process, whic
 actor (cluster/control.py brings the requests in).
 
 Adding a worker: start its actors at the lowest free index (its ports), wait until it is
-ready, then tell the router, which routes to it once its heartbeats arrive. Removing one: the
+ready, give every prefill worker the decode workers' KV addresses (cluster/kv_destinations.py),
+then tell the router, which routes to it once its heartbeats arrive. Removing one: the
 router drains it (no new requests; those it holds finish, up to a timeout), forgets it, then
 its actors stop and its placement group is freed. A worker whose actor died (or whose serving
 loop ended) is killed and started again at the same index and ports, so the router's endpoint
@@ -16,6 +17,7 @@ import logging
 import threading
 import time
 
+from cluster.kv_destinations import share_kv_destinations
 from cluster.launcher import RunningCluster, wait_ready
 from cluster.specs import ROLES
 from cluster.worker_launch import start_worker
@@ -77,6 +79,8 @@ class PoolManager:
                 slot.stop()
                 del self.cluster.slots[slot.worker_id]
                 removed.append({"worker_id": slot.worker_id, "cut_off_requests": left})
+            if removed and role == "decode":  # its address is no longer a place for KV
+                share_kv_destinations(self.cluster.slots.values(), self.start_timeout_s)
         if added or removed:
             self.on_change()
         return {"role": role, "size": size, "added": added, "removed": removed}
@@ -141,8 +145,13 @@ class PoolManager:
         try:
             for i in indices:
                 slots.append(start_worker(self.cluster.config, role, i, self.start_timeout_s))
-            for wid, address in wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say).items():
-                next(s for s in slots if s.worker_id == wid).resolve(address)
+            for wid, bound in wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say).items():
+                next(s for s in slots if s.worker_id == wid).resolve(bound)
+            # Before the router routes to them: every prefill worker knows a new decode worker,
+            # a new prefill worker knows every decode worker (and a replaced one's new address).
+            unreached = share_kv_destinations([*self.cluster.slots.values(), *slots], self.start_timeout_s)
+            if new := sorted(set(unreached) & {s.worker_id for s in slots}):
+                raise RuntimeError(f"{', '.join(new)} could not be told where the decode workers take KV")
             for s in slots:
                 ray.get(self.cluster.router.add_worker.remote(s.endpoint()), timeout=30)  # same or new address
                 self.cluster.slots[s.worker_id] = s

@@ -9,6 +9,7 @@ objects to every process that needs it; nothing crosses a process boundary as a 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from configs import ClusterConfig, EngineConfig
@@ -62,6 +63,23 @@ class WorkerSpec:
     @property
     def command_address(self) -> str:
         return f"{self.host}:{self.command_port}"
+
+    @property
+    def kv_address(self) -> str | None:
+        """Where a decode worker takes KV, as its Reserved replies name it: host:kv_port, or
+        `dist:<rank>` on the torch_dist transport (engine/kv_transfer/torch_dist.py address_of,
+        spelt out here: building specs must not import torch). None for other roles."""
+        if self.role != "decode":
+            return None
+        if self.kv_transport == "torch_dist":
+            return f"dist:{self.dist_rank}"
+        return f"{self.host}:{self.kv_port}"
+
+
+def kv_destinations(specs: Iterable[WorkerSpec]) -> tuple[str, ...]:
+    """The KV addresses of the decode workers among `specs` (each with the host it bound): the
+    only places a prefill worker of the cluster may push KV to (engine/kv_transfer/destinations.py)."""
+    return tuple(sorted({spec.kv_address for spec in specs if spec.kv_address is not None}))
 
 
 def serving_pools(config: ClusterConfig) -> list[tuple[str, PoolConfig]]:

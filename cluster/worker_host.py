@@ -18,6 +18,7 @@ from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
 from engine.kv_transfer import KVSender, torch_dist
+from engine.kv_transfer.destinations import KVDestinations
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from engine.metrics.peak import Peak, resolve_peak
 from engine.metrics.worker_metrics import WorkerMetrics
@@ -51,6 +52,10 @@ class WorkerHost:
         self._built = threading.Event()
         self._ready = threading.Event()
         self.error: BaseException | None = None
+        # Prefill: where KV may go. Empty until the process that started this worker says
+        # (set_kv_destinations), so nothing is pushed anywhere before then.
+        self.kv_destinations = KVDestinations()
+        self._role = None  # the role object, once the serving thread made it
         self.engine: LLMEngine | None = None
         self.metrics: WorkerMetrics | None = None
         # The engine is built on the thread that will step it: torch's OpenMP thread pool
@@ -93,6 +98,13 @@ class WorkerHost:
         if self.metrics is not None:
             self.metrics.close()
 
+    def set_kv_destinations(self, addresses: tuple[str, ...]) -> None:
+        """The KV addresses of the cluster's decode workers, now (cluster/kv_destinations.py):
+        the only destinations this prefill worker accepts. Safe from any thread."""
+        if self.role != "prefill":
+            raise ValueError(f"{self.worker_id} sends no KV: only prefill workers take KV destinations")
+        self.kv_destinations.replace(addresses)
+
     def page_stats(self) -> dict[str, int]:
         return self.engine.snapshot.page_stats()
 
@@ -103,6 +115,7 @@ class WorkerHost:
         """Queues and KV pages, read from another thread (a snapshot; may be a step behind)."""
         snap = self.engine.snapshot
         return {"running": snap.num_running, "waiting": snap.num_waiting, "kv_pages": snap.page_stats(),
+                "rejected": dict(getattr(self._role, "rejected", {})),  # refused commands by reason
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
     def _run(self, peak: Peak | None) -> None:
@@ -121,7 +134,8 @@ class WorkerHost:
         events = EventSink(self.spec.router_event_address)
         closers = [events.close]
         try:
-            role = self._make_role(self._event_tap(events.emit) if self._event_tap else events.emit, closers)
+            role = self._role = self._make_role(self._event_tap(events.emit) if self._event_tap else events.emit,
+                                                closers)
             serve(role, self.command_address, events, self._load(role), self._stop, on_ready=self._ready.set)
         except BaseException as exc:  # noqa: BLE001 - the serving loop died, so the worker is dead
             self.crashed, self.error = True, exc
@@ -167,7 +181,8 @@ class WorkerHost:
                 senders[address] = KVSender(frames, checksum=spec.kv_checksum, observer=observe_transfer)
             return senders[address]
 
-        return PrefillWorker(self.worker_id, self.engine, open_sender, emit, max_transfer_s=spec.max_transfer_s)
+        return PrefillWorker(self.worker_id, self.engine, open_sender, emit, self.kv_destinations,
+                             max_transfer_s=spec.max_transfer_s)
 
     def _load(self, role):
         engine, worker_id, name, incarnation = self.engine, self.worker_id, self.role, self.incarnation

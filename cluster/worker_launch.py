@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from cluster.placement import PlacedGroup, place_worker_group
-from cluster.specs import NODE_IP, worker_spec
+from cluster.specs import NODE_IP, WorkerSpec, worker_spec
 from configs import ClusterConfig
 from router.worker_pool import WorkerEndpoint
 
@@ -31,10 +31,13 @@ class WorkerSlot:
     command_address: str
     shards: list[object] = field(default_factory=list)  # ShardActor handles, ranks 1..
     group: PlacedGroup | None = None
+    bound: WorkerSpec | None = None  # its spec with the host it bound, once it is ready
 
-    def resolve(self, ready_reply: str) -> None:
-        """The address the worker bound, from its `ready()` reply (its node's IP off loopback)."""
-        self.command_address = ready_reply
+    def resolve(self, ready_reply: WorkerSpec) -> None:
+        """What the worker bound, from its `ready()` reply (its node's IP off loopback): the
+        command address the router sends to, the KV address a decode worker takes KV on."""
+        self.bound = ready_reply
+        self.command_address = ready_reply.command_address
 
     def endpoint(self) -> WorkerEndpoint:
         return WorkerEndpoint(self.worker_id, self.role, self.command_address)

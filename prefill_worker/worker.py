@@ -4,18 +4,23 @@ Driven by a loop (a socket runner, or a test) that calls `handle(message)` for e
 from the router and `step()` repeatedly. Each step runs one engine step, then ships every page
 that became complete to its decode worker (so the transfer overlaps chunked prefill), and
 ends the transfers of prompts that are done: their held pages are released exactly once,
-whatever the transfer's outcome. Lifecycle events (admitted, prefill_done, transfer_done) go to
-the structured log under the router's request id (configs/logging_setup.py).
+whatever the transfer's outcome. A Prefill whose KV destination is not one of the cluster's
+decode endpoints (engine/kv_transfer/destinations.py) is refused before anything is computed or
+connected: that request fails, counted in `rejected`, and the worker serves on. Lifecycle events
+(admitted, prefill_done, transfer_done, rejected) go to the structured log under the router's
+request id (configs/logging_setup.py).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from configs.logging_setup import EventLog
 from engine import LLMEngine, SamplingParams
 from engine.kv_transfer import KVSender, TransferState, TransportError
+from engine.kv_transfer.destinations import KVDestinations
 from proto.worker_messages import Abort, Failed, FirstToken, Prefill, TransferEnded
 
 
@@ -38,12 +43,16 @@ class PrefillWorker:
         engine: LLMEngine,
         open_sender: Callable[[str], KVSender],
         emit: Callable[[object], None],
+        destinations: KVDestinations,
         pages_per_frame: int = 8,
         max_transfer_s: float = 30.0,
     ) -> None:
-        """`max_transfer_s`: the longest a KV transfer (and the KV it holds here) may last,
-        whatever a Prefill asks."""
+        """`destinations`: the decode endpoints KV may go to (kept current by whoever started
+        this worker); `max_transfer_s`: the longest a KV transfer (and the KV it holds here) may
+        last, whatever a Prefill asks."""
         self.worker_id = worker_id
+        self.destinations = destinations
+        self.rejected: dict[str, int] = {}  # refused Prefill commands by reason
         self.max_transfer_s = max_transfer_s
         self.engine = engine
         self.open_sender = open_sender  # address -> KVSender (the runner caches connections)
@@ -90,6 +99,13 @@ class PrefillWorker:
         return True
 
     def _start(self, message: Prefill) -> None:
+        if not self.destinations.allows(message.kv.address):
+            # Checked first: a refused request has taken no pages and opened no connection.
+            self.rejected["unknown_kv_destination"] = self.rejected.get("unknown_kv_destination", 0) + 1
+            reason = self.destinations.refusal(message.kv.address)
+            self.log.event("rejected", message.request_id, level=logging.WARNING, reason=reason)
+            self.emit(Failed(message.request_id, self.worker_id, "prefill", reason))
+            return
         s = message.sampling
         params = SamplingParams(max_tokens=1, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                 seed=s.seed, ignore_eos=True, logprobs=s.logprobs)

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.specs import router_spec, worker_spec
+from cluster.specs import kv_destinations, router_spec, worker_spec
 from cluster.worker_host import WorkerHost
 from configs import ClusterConfig, EngineConfig
 from engine.metrics.peak import Peak
@@ -90,6 +90,11 @@ class LocalCluster:
                 when = (crash_when or {}).get(spec.worker_id)
                 tap = crash_tap(spec.worker_id, when) if when is not None else None
                 self.hosts.append(WorkerHost(spec, peak=metrics_peak, event_tap=tap))
+        # As `pdserve up` does (cluster/kv_destinations.py): prefill workers push KV only to these.
+        destinations = kv_destinations(h.spec for h in self.hosts)
+        for h in self.hosts:
+            if h.role == "prefill":
+                h.set_kv_destinations(destinations)
         for h in self.hosts:
             h.start()
         endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]

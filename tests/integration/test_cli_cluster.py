@@ -136,6 +136,8 @@ def test_status_scale_and_replacement(tmp_path, hf_tiny):
         concurrent_mix_matches_hf(port, hf_tiny)
         cached = {w["worker_id"]: w["kv_pages"]["cached"] for w in status(config, tmp_path)["workers"]}
         assert cached["decode-1"] > 0, cached  # the new worker took traffic (its prefix cache kept the pages)
+        prefill = next(w for w in status(config, tmp_path)["workers"] if w["worker_id"] == "prefill-0")
+        assert prefill["rejected"] == {}  # told decode-1's KV address before the router sent it there
         targets = json.loads(next((tmp_path / "run").glob("*.prometheus.json")).read_text())
         assert "decode-1" in {t["labels"].get("worker_id") for t in targets}
 

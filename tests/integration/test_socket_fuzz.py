@@ -4,10 +4,12 @@ valid messages for ids nobody holds) and keeps serving: no loop dies, no page st
 and a normal request afterwards still equals Hugging Face greedy.
 
 Sockets: the router's worker-event socket, each worker's command socket, the decode worker's
-KV socket. Seeded; a few seconds."""
+KV socket. Seeded; a few seconds. And a well-formed command that only a forger would send: a
+Prefill naming a KV destination that is no decode worker of the cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -124,6 +126,50 @@ def test_every_internal_socket_survives_fuzzing(cluster, hf_tiny):
     assert cluster.router.pool.all_healthy(["prefill", "decode"])
     assert sum(cluster.router.pool.rejected.values()) >= NUM_PER_SOCKET // 2  # dropped and counted
     prompt = [0] + list(range(300, 340))
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=12,
+                                                                                           ignore_eos=True))
+    out = cluster.stub.GenerateUnary(req, timeout=60)
+    assert list(out.token_ids) == hf_greedy(hf_tiny, prompt, 12)[0]
+    cluster.wait_pages_free()
+
+
+def on_router_loop(cluster, fn, timeout_s: float = 15.0):
+    """`fn()` (a value or an awaitable) on the router's event loop, where its tables live."""
+    async def call():
+        result = fn()
+        return await result if asyncio.iscoroutine(result) else result
+
+    return asyncio.run_coroutine_threadsafe(call(), cluster.loop).result(timeout_s)
+
+
+def test_a_forged_prefill_pushes_no_kv_to_the_address_it_names(cluster, hf_tiny):
+    """A well-formed Prefill on the prefill worker's command socket whose KV destination is a
+    listener of this test's, not a decode worker: the worker refuses it and says why to the
+    router, not one frame reaches the listener, and the next request is served as before with
+    every page freed."""
+    prefill = next(h for h in cluster.hosts if h.role == "prefill")
+    listener = zmq.Context.instance().socket(zmq.PULL)
+    listener.setsockopt(zmq.LINGER, 0)
+    port = listener.bind_to_random_port("tcp://127.0.0.1")
+    rid = "forged-destination"
+    events = on_router_loop(cluster, lambda: cluster.router.pool.subscribe(rid))
+    prompt = [0] + list(range(300, 340))
+    rejected = prefill.state()["rejected"].get("unknown_kv_destination", 0)
+    sock = push(prefill.command_address)
+    try:
+        forged = wm.Prefill(rid, tuple(prompt), wm.Sampling(max_tokens=4, ignore_eos=True),
+                            wm.KVDestination(f"127.0.0.1:{port}", 6, 0, 5.0, "token"))
+        sock.send(wm.encode(forged))
+        failed = on_router_loop(cluster, lambda: asyncio.wait_for(events.get(), 10))
+        assert isinstance(failed, wm.Failed) and failed.worker_id == prefill.worker_id and failed.stage == "prefill"
+        assert f"KV destination '127.0.0.1:{port}' is not a known decode endpoint" in failed.reason
+        assert prefill.state()["rejected"]["unknown_kv_destination"] == rejected + 1
+        assert listener.poll(1000) == 0  # no connection made, no KV frame sent
+    finally:
+        on_router_loop(cluster, lambda: cluster.router.pool.unsubscribe(rid))
+        sock.close()
+        listener.close()
+    assert prefill.alive() and not prefill.crashed
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=12,
                                                                                            ignore_eos=True))
     out = cluster.stub.GenerateUnary(req, timeout=60)

@@ -14,6 +14,7 @@ from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
 from engine.kv_transfer import KVSender
+from engine.kv_transfer.destinations import KVDestinations
 from engine.kv_transfer.inproc import InProcChannel
 from prefill_worker.worker import PrefillWorker
 from proto import worker_messages as m
@@ -30,10 +31,11 @@ class MiniRouter:
         self.channel = InProcChannel()
         self.to_router: list[object] = []
         emit = lambda msg: self.to_router.append(m.decode(m.encode(msg)))  # noqa: E731
+        self.opened: list[str] = []  # KV destinations the prefill worker connected to
         self.prefill = PrefillWorker(
             "p0", LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=prefill_budget,
                                          max_num_seqs=8)),
-            lambda address: KVSender(self.channel.sender, checksum=True), emit, pages_per_frame=2)
+            self._open_sender, emit, KVDestinations(["inproc"]), pages_per_frame=2)
         self.decode = DecodeWorker(
             "d0", LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, num_pages=decode_pages)),
             self.channel.receiver, "inproc", emit)
@@ -43,6 +45,10 @@ class MiniRouter:
         self.failed: dict[str, m.Failed] = {}
         self.rejected: set[str] = set()
         self.stage: dict[str, str] = {}
+
+    def _open_sender(self, address: str) -> KVSender:
+        self.opened.append(address)
+        return KVSender(self.channel.sender, checksum=True)
 
     def submit(self, request_id: str, prompt: list[int], lease_s: float = 10.0) -> None:
         self.prompts[request_id] = tuple(prompt)
@@ -188,4 +194,32 @@ def test_a_lease_longer_than_configured_is_cut_to_it():
     router.decode.step()
     [failed] = router.to_router
     assert failed.request_id == "greedy" and failed.stage == "transfer" and "expired" in failed.reason
+    router.assert_clean()
+
+
+def test_a_kv_destination_that_is_no_decode_endpoint_is_refused(hf_tiny):
+    """A Prefill naming a KV destination the worker was never told of (a forged or buggy command)
+    fails that request with the reason, before any page is taken or any connection opened; the
+    worker counts it and serves the next request exactly as before."""
+    router = MiniRouter()
+    prompt = [0] + list(range(100, 140))
+    router.decode.handle(m.ReserveKV("forged", tuple(prompt), 10.0, GREEDY))  # real pages on decode
+    reserved = router.to_router.pop()
+    assert isinstance(reserved, m.Reserved)
+    kv = m.KVDestination("10.66.0.1:5555", reserved.num_pages, reserved.num_cached_pages, 10, reserved.transfer_token)
+    router.prefill.handle(m.decode(m.encode(m.Prefill("forged", tuple(prompt), GREEDY, kv))))
+    [failed] = router.to_router
+    router.to_router.clear()
+    assert failed.request_id == "forged" and failed.worker_id == "p0" and failed.stage == "prefill"
+    assert failed.reason == ("KV destination '10.66.0.1:5555' is not a known decode endpoint of this cluster "
+                             "(1 known)")
+    assert router.prefill.rejected == {"unknown_kv_destination": 1}
+    assert router.opened == [] and not router.prefill._jobs
+    assert_no_page_leak(router.prefill.engine)
+    assert not router.prefill.step()  # nothing was admitted
+    router.decode.handle(m.Abort("forged"))  # what the router does on Failed: free every side
+    router.submit("next", prompt)
+    router.run(lambda: "next" in router.finished)
+    assert router.outputs["next"] == hf_greedy(hf_tiny, prompt, GREEDY.max_tokens)[0]
+    assert router.opened == ["inproc"]
     router.assert_clean()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from cluster.specs import WorkerSpec, model_cache_dir, router_spec, worker_spec
+from cluster.specs import WorkerSpec, kv_destinations, model_cache_dir, router_spec, worker_spec
 from configs import ClusterConfig, EngineConfig
 from engine.model.loader import resolve_model_path
 from proto import pdserve_pb2 as pb
@@ -77,6 +77,31 @@ def test_torch_dist_workers_get_their_rank_in_the_kv_group():
     assert [(s.dist_rank, s.dist_world_size) for s in ranks] == [(0, 3), (1, 3), (2, 3)]
     assert {s.dist_store_address for s in ranks} == {"10.0.0.5:52500"}
     assert [s.dist_sources for s in ranks] == [(), (), (0, 1)]  # decode receives from the prefill ranks by name
+
+
+def test_the_kv_destinations_are_the_decode_workers_kv_addresses_as_bound():
+    """What every prefill worker is told it may push KV to (cluster/kv_destinations.py): each
+    decode worker's address exactly as its Reserved replies name it, with the host it bound."""
+    from dataclasses import replace
+
+    from engine.kv_transfer.torch_dist import address_of
+    from engine.kv_transfer.zmq_transport import ZmqFrameReceiver
+
+    config = cluster()
+    specs = [worker_spec(config, role, i, "node", "127.0.0.1") for role, i in
+             (("prefill", 0), ("prefill", 1), ("decode", 0))]
+    bound = [replace(s, host="10.0.0.7") for s in specs]  # what WorkerActor.ready() reports
+    assert [s.kv_address for s in bound] == [None, None, "10.0.0.7:52400"]
+    assert kv_destinations(bound) == ("10.0.0.7:52400",)
+    receiver = ZmqFrameReceiver("127.0.0.1", 0)
+    try:
+        assert replace(bound[2], host="127.0.0.1", kv_port=receiver.port).kv_address == receiver.address
+    finally:
+        receiver.close()
+    dist = cluster(kv_transfer={"transport": "torch_dist", "dist_port": 52500})
+    ranks = [worker_spec(dist, role, i, "127.0.0.1", "127.0.0.1") for role, i in
+             (("prefill", 0), ("prefill", 1), ("decode", 0))]
+    assert kv_destinations(ranks) == (address_of(2),)
 
 
 @pytest.mark.parametrize(("fields", "message"), [
