@@ -25,41 +25,43 @@ class ModelRunner:
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
         """Packs decodes (one query token) first, then prefill chunks; also returns the
-        sequences that sample this step, in the order of `logits_indices`."""
+        sequences that sample this step, in the order of `logits_indices`. Python touches each
+        sequence once (its token slice, page table and counts); per-token metadata (positions,
+        KV slots) comes from a few tensor ops over those, not per-token Python lists."""
         ordered = [s for s in scheduled if s.num_new_tokens == 1] + [s for s in scheduled if s.num_new_tokens > 1]
+        num_new = [s.num_new_tokens for s in ordered]
+        computed = [s.seq.num_computed_tokens for s in ordered]
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        context_lens: list[int] = []
-        logits_indices: list[int] = []
-        page_size = self.page_size
-        for s in ordered:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            table = seq.page_table
-            slots += [table[p // page_size] * page_size + p % page_size for p in range(start, end)]
-            starts.append(starts[-1] + s.num_new_tokens)
-            context_lens.append(end)
-            if s.samples:
-                logits_indices.append(starts[-1] - 1)
+        for s, start, n in zip(ordered, computed, num_new):
+            input_ids += s.seq.token_ids[start:start + n]
         max_pages = max(len(s.seq.page_table) for s in ordered)
-        page_table = torch.zeros(len(ordered), max_pages, dtype=torch.int32)
-        for row, s in enumerate(ordered):
-            page_table[row, : len(s.seq.page_table)] = torch.tensor(s.seq.page_table, dtype=torch.int32)
+        page_table = torch.tensor([s.seq.page_table + [0] * (max_pages - len(s.seq.page_table)) for s in ordered],
+                                  dtype=torch.int32)
+        q_lens = torch.tensor(num_new, dtype=torch.int64)
+        ends = torch.tensor(computed, dtype=torch.int64) + q_lens  # context length of each sequence
+        starts = torch.zeros(len(ordered) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        if len(input_ids) == len(ordered):  # decodes only: one token per sequence
+            rows = torch.arange(len(ordered))
+            positions = ends - 1
+        else:
+            rows = torch.repeat_interleave(torch.arange(len(ordered)), q_lens)
+            positions = torch.arange(len(input_ids)) - starts[rows] + (ends - q_lens)[rows]
+        page_size = self.page_size
+        slots = page_table[rows, positions // page_size].to(torch.int64) * page_size + positions % page_size
+        sampled = [s for s in ordered if s.samples]
+        logits_indices = starts[1:][torch.tensor([s.samples for s in ordered], dtype=torch.bool)] - 1
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            positions=positions.to(dev),
+            slot_mapping=slots.to(dev),
             page_table=page_table.to(dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
-            num_decode_seqs=sum(1 for s in ordered if s.num_new_tokens == 1),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-        ), [s for s in ordered if s.samples]
+            query_start_loc=starts.to(torch.int32).to(dev),
+            context_lens=ends.to(torch.int32).to(dev),
+            num_decode_seqs=sum(1 for n in num_new if n == 1),
+            logits_indices=logits_indices.to(dev),
+        ), sampled
 
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Runs one step; returns logits [num_sampled, vocab] (float32, on CPU) and the
