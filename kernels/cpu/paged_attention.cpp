@@ -18,7 +18,8 @@
 // two rows at once, reducing the eight dot products with one transpose-and-add tree; an exact
 // softmax per row (fp32); pass 2 walks the pages again and adds p * v rows (vectorised across
 // d). A prefill tile widens each bf16/fp16 page slice to fp32 once for all its rows; where the
-// CPU has AVX512-BF16, bf16 keys are scored in bf16 pairs directly (VDPBF16PS).
+// CPU has AVX512-BF16, bf16 keys are scored in bf16 pairs directly (VDPBF16PS), and a bf16 tile
+// of kMinTileQueries or more queries goes to prefill_tile_bf16.h's matrix products instead.
 // Nothing is gathered or padded.
 
 #include <ATen/ATen.h>
