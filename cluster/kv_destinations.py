@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from cluster.specs import kv_destinations
 from cluster.worker_launch import WorkerSlot
@@ -30,8 +31,8 @@ def share_kv_destinations(slots: Iterable[WorkerSlot], timeout_s: float = 30.0) 
 
     slots = list(slots)
     addresses = kv_destinations(slot.bound for slot in slots if slot.bound is not None)
-    pending = {slot.worker_id: slot.actor.set_kv_destinations.remote(addresses)
-               for slot in slots if slot.role == "prefill"}
+    actors: dict[str, Any] = {slot.worker_id: slot.actor for slot in slots if slot.role == "prefill"}  # Ray handles
+    pending = {worker_id: actor.set_kv_destinations.remote(addresses) for worker_id, actor in actors.items()}
     deadline = time.monotonic() + timeout_s
     unreached = []
     for worker_id, ref in pending.items():
