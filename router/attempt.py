@@ -214,7 +214,7 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
     if reason is None:
         if not (text or new_ids):
             return None
-        return pb.GenerateResponse(request_id=j.request_id, text=text, token_ids=new_ids, logprobs=logprobs)
+        return pb.GenerateResponse(request_id=j.client_id, text=text, token_ids=new_ids, logprobs=logprobs)
     if not stream.stops.stopped:  # the end of the stream: release what was held back
         text += stream.stops.push(stream.detok.flush())
         text += stream.stops.flush()
@@ -222,7 +222,7 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
     stream.ended = True
     stream.done = reason != "abort"
     return pb.GenerateResponse(
-        request_id=j.request_id, text=text, token_ids=new_ids, logprobs=logprobs, finish_reason=FINISH[reason],
+        request_id=j.client_id, text=text, token_ids=new_ids, logprobs=logprobs, finish_reason=FINISH[reason],
         usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=len(stream.generated),
                        cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0))
 

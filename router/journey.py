@@ -13,7 +13,7 @@ sender died) does not fail the request: a new attempt re-sends the prompt plus e
 client already has, as a fresh prompt, to healthy workers (another decode reservation, another
 prefill), and the stream goes on where it stopped. Greedy decoding continues with exactly the
 tokens the lost worker would have produced; sampled decoding continues from the same text with
-fresh draws. Attempt k > 0 runs on the workers under the id `<request id>.retry<k>`, so events
+fresh draws. Attempt k > 0 runs on the workers under the id `<internal id>.retry<k>`, so events
 of a lost attempt are never mistaken for the new one's. After `max_attempts` the client gets
 UNAVAILABLE naming what was lost.
 """
@@ -60,8 +60,8 @@ async def run_journey(
             return
         except WorkerLost as exc:
             lost.append(str(exc))
-            log.warning("request %s: attempt %d lost (%s); %s", j.request_id, attempt + 1, exc,
-                        "retrying" if attempt + 1 < settings.max_attempts else "giving up")
+            log.warning("request %s (client id %s): attempt %d lost (%s); %s", j.request_id, j.client_id,
+                        attempt + 1, exc, "retrying" if attempt + 1 < settings.max_attempts else "giving up")
         except RouterError as exc:
             if not lost:
                 raise

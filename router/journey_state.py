@@ -49,7 +49,10 @@ class Pool(Protocol):
 
 @dataclass(frozen=True)
 class Journey:
+    # The router's own id (router/request_ids.py): what every worker message, transfer and abort
+    # carries. The client's id only comes back to the client in responses (and goes in logs).
     request_id: str
+    client_id: str
     prompt: tuple[int, ...]
     sampling: wm.Sampling
     stop: tuple[str, ...]

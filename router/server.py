@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from router.journey_state import JourneySettings, RouterError
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.prefill_gate import PrefillGate
+from router.request_ids import LiveIds, new_client_id, new_internal_id
 from router.security import ApiKeyInterceptor
 from router.slo import SloTargets
 from router.spec import RouterSpec
@@ -72,7 +72,7 @@ class Router:
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.num_in_flight = 0
         self.limits = RequestLimits.of(cfg)
-        self._live_ids: set[str] = set()  # request ids in flight: a second one is ALREADY_EXISTS
+        self.live_ids = LiveIds()  # client ids in flight -> internal ids: a second live one is ALREADY_EXISTS
         self.metrics = RouterMetrics(SloTargets.from_ms(cfg.slo_ttft_ms, cfg.slo_tpot_ms), cfg.slo_window_s)
         self.log = EventLog("router")
         self.pool: WorkerPool | None = None
@@ -171,18 +171,23 @@ class Router:
     async def run(self, request: pb.GenerateRequest, time_remaining_s: float | None = None
                   ) -> AsyncIterator[pb.GenerateResponse]:
         """One request through admission, validation and its journey (both front doors). The
-        request id (the client's, or a fresh one) names it in every log line on every process."""
+        router's internal id (router/request_ids.py) names it on every worker and in every log
+        line on every process; the router's lines carry the client's id too (`client_request_id`),
+        and the responses carry only the client's id (the one it gave, or a fresh one)."""
+        rid = new_internal_id()
         # getattr: a request protobuf could not parse arrives as a placeholder without fields.
-        rid = getattr(request, "request_id", "") or uuid.uuid4().hex
+        client_id = getattr(request, "request_id", "") or new_client_id()
         try:
-            check_request_id(rid, self.limits)
+            check_request_id(client_id, self.limits)
         except RouterError:
-            rid = uuid.uuid4().hex  # what names the failure in the logs; validate() answers the client
-        self.log.event("received", rid)
+            client_id = ""  # not logged as given (it may hold anything); validate() answers the client
+        ids = {"client_request_id": client_id or None}
+        self.log.event("received", rid, **ids)
         try:
             # Off the event loop: tokenizing a long prompt must not stall every other stream.
             journey = replace(await asyncio.to_thread(validate, request, self.tokenizer, self.max_model_len,
-                                                      self.default_timeout_s, None, self.limits), request_id=rid)
+                                                      self.default_timeout_s, None, self.limits),
+                              request_id=rid, client_id=client_id)
             # Checked after the await, with nothing between them and the admission below.
             if self.num_in_flight >= self.max_queued_requests:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.num_in_flight} requests in flight: "
@@ -192,23 +197,21 @@ class Router:
                                   f"{self.prompt_tokens_in_flight} prompt tokens in flight: this prompt's "
                                   f"{len(journey.prompt)} would pass router.max_queued_prompt_tokens "
                                   f"({self.max_queued_prompt_tokens}); retry in a moment")
-            if rid in self._live_ids:  # its events and aborts would be mixed up with the live one's
-                raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+            self.live_ids.admit(journey.client_id, rid)  # ALREADY_EXISTS while another is live under it
         except RouterError as exc:
-            self._failed(rid, exc.code, str(exc), admitted=False)
+            self._failed(rid, ids, exc.code, str(exc), admitted=False)
             raise
-        self._live_ids.add(rid)
         self.prompt_tokens_in_flight += len(journey.prompt)
         if time_remaining_s is not None:  # the client's own deadline, if sooner
             journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + time_remaining_s))
         self.num_in_flight += 1
         self.metrics.in_flight.inc()
         start = last = time.monotonic()
-        self.log.event("admitted", rid, prompt_tokens=len(journey.prompt), max_tokens=journey.sampling.max_tokens)
+        self.log.event("admitted", rid, **ids, prompt_tokens=len(journey.prompt), max_tokens=journey.sampling.max_tokens)
 
         def dispatched(worker_id: str) -> None:
             self.metrics.queue_time.observe(time.monotonic() - start)
-            self.log.event("dispatched", rid, worker=worker_id)
+            self.log.event("dispatched", rid, **ids, worker=worker_id)
 
         ttft = None
         num_tokens = 0
@@ -220,7 +223,7 @@ class Router:
                 if response.token_ids:
                     if ttft is None:
                         ttft = now - start
-                        self.log.event("first_token", rid, ttft_s=round(ttft, 6))
+                        self.log.event("first_token", rid, **ids, ttft_s=round(ttft, 6))
                     else:
                         self.metrics.itl.observe(now - last)
                     last = now
@@ -229,25 +232,25 @@ class Router:
                     reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
                     self.metrics.request_finished(reason, ttft, now - start, num_tokens, response.usage.prompt_tokens,
                                                   response.usage.cached_prompt_tokens)
-                    self.log.event("finished", rid, finish_reason=reason, completion_tokens=num_tokens,
+                    self.log.event("finished", rid, **ids, finish_reason=reason, completion_tokens=num_tokens,
                                    cached_prompt_tokens=response.usage.cached_prompt_tokens,
                                    e2e_s=round(now - start, 6))
                     finished = True
                 yield response
         except RouterError as exc:
-            self._failed(rid, exc.code, str(exc), admitted=True)
+            self._failed(rid, ids, exc.code, str(exc), admitted=True)
             raise
         except asyncio.CancelledError:
-            self._failed(rid, grpc.StatusCode.CANCELLED, "cancelled by the client", admitted=True)
+            self._failed(rid, ids, grpc.StatusCode.CANCELLED, "cancelled by the client", admitted=True)
             raise
         except GeneratorExit:
             # The consumer closed the stream: an HTTP handler whose write to a gone client raised
             # (rather than being cancelled) lands here. Before the finish that is a cancellation too.
             if not finished:
-                self._failed(rid, grpc.StatusCode.CANCELLED, "the client went away", admitted=True)
+                self._failed(rid, ids, grpc.StatusCode.CANCELLED, "the client went away", admitted=True)
             raise
         finally:
-            self._live_ids.discard(rid)
+            self.live_ids.end(journey.client_id, rid)
             self.prompt_tokens_in_flight -= len(journey.prompt)
             self.num_in_flight -= 1
             self.metrics.in_flight.dec()
@@ -258,9 +261,9 @@ class Router:
         self.metrics.request_failed(grpc.StatusCode.UNAUTHENTICATED.name, admitted=False)
         self.log.event("unauthenticated", None, level=logging.WARNING, door=door, reason=reason)
 
-    def _failed(self, request_id: str, code: grpc.StatusCode, message: str, admitted: bool) -> None:
+    def _failed(self, request_id: str, ids: dict, code: grpc.StatusCode, message: str, admitted: bool) -> None:
         self.metrics.request_failed(code.name, admitted)
-        self.log.event("error", request_id, level=logging.WARNING, status=code.name, message=message)
+        self.log.event("error", request_id, level=logging.WARNING, **ids, status=code.name, message=message)
 
 
 class _GenerationService(pdserve_pb2_grpc.GenerationServicer):

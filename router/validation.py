@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import re
 import time
-import uuid
 from dataclasses import dataclass, fields
 
 import grpc
@@ -20,6 +19,7 @@ from configs.cluster import RouterConfig
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from router.journey_state import Journey, RouterError
+from router.request_ids import new_client_id, new_internal_id
 from router.tokenizer import RouterTokenizer
 
 
@@ -122,12 +122,14 @@ def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: Router
     )
     timeout = request.timeout_s or default_timeout_s
     start = time.monotonic() if now is None else now
-    return Journey(request.request_id or uuid.uuid4().hex, tuple(ids), sampling, tuple(s.stop), start + timeout)
+    # A fresh internal id; Router.run, which logged the request under one at arrival, puts its own.
+    return Journey(new_internal_id(), request.request_id or new_client_id(), tuple(ids), sampling, tuple(s.stop),
+                   start + timeout)
 
 
 def check_request_id(request_id: str, limits: RequestLimits) -> None:
-    """A client's request id (empty: the router makes one) names the request in every process's
-    logs and messages: bounded, printable, no spaces or control characters."""
+    """A client's request id (empty: the router makes one) is echoed in its responses and logged:
+    bounded, printable, no spaces or control characters. Workers never see it (router/request_ids.py)."""
     if request_id and (len(request_id) > limits.max_request_id_chars or not REQUEST_ID.fullmatch(request_id)):
         raise _invalid(f"request_id must be 1-{limits.max_request_id_chars} printable ASCII characters without "
                        "spaces (router.max_request_id_chars)")

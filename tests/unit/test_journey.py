@@ -99,8 +99,10 @@ def tokenizer(tiny_dir) -> RouterTokenizer:
     return RouterTokenizer(tiny_dir)
 
 
-def journey(request_id: str = "r", deadline_s: float = 5.0, stop: tuple[str, ...] = ()) -> Journey:
-    return Journey(request_id, PROMPT, SAMPLING, stop, time.monotonic() + deadline_s)
+def journey(request_id: str = "r", deadline_s: float = 5.0, stop: tuple[str, ...] = (),
+            client_id: str = "client-r") -> Journey:
+    """`request_id` is the router's internal id (what the workers see), `client_id` the client's."""
+    return Journey(request_id, client_id, PROMPT, SAMPLING, stop, time.monotonic() + deadline_s)
 
 
 def run(pool: FakePool, tokenizer, settings: JourneySettings = SETTINGS, j: Journey | None = None,
@@ -124,6 +126,23 @@ def test_disaggregated_happy_path_sends_each_command_once(tokenizer):
     [(worker, reserve)] = pool.commands(wm.ReserveKV)
     assert worker == "d0" and reserve.sampling == SAMPLING and reserve.prompt_token_ids == PROMPT
     assert not pool.commands(wm.Abort)  # a request that ended normally: the workers freed everything
+
+
+def test_workers_see_only_the_internal_id_and_the_client_only_its_own(tokenizer):
+    """The client's id is echoed and never sent to a worker; workers, the events mapped back to
+    the journey and the aborts all go by the router's internal id."""
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, happy_workers)
+    out = run(pool, tokenizer, j=journey("internal-7f3a", client_id="my-client-id"))
+    assert ids(out) == [10, 11, 12, 13] and {r.request_id for r in out} == {"my-client-id"}
+    assert {m.request_id for _, m in pool.sent} == {"internal-7f3a"}
+
+    def silent_decode(worker_id, cmd):  # the first token comes, then nothing: the deadline ends it
+        return happy_workers(worker_id, cmd)[:2] if isinstance(cmd, wm.Prefill) else happy_workers(worker_id, cmd)
+
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, silent_decode)
+    with pytest.raises(RouterError):
+        run(pool, tokenizer, j=journey("internal-9b", client_id="my-client-id", deadline_s=0.3))
+    assert [(w, m.request_id) for w, m in pool.commands(wm.Abort)] == [("d0", "internal-9b")]
 
 
 def test_decode_tokens_that_overtake_the_first_token_are_held_back(tokenizer):
