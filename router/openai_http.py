@@ -7,6 +7,12 @@ through `Router.run` (validation, admission, journey), so both doors behave alik
 OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the matching HTTP
 status. Chat prompts are rendered with the model's chat template (tokenizer_config.json), or
 with DEFAULT_CHAT_TEMPLATE when it has none.
+
+Request ids, as vLLM's server does: the client's `X-Request-Id` header (or a fresh id) is the
+request's client id, echoed in the `X-Request-Id` response header and logged by the router; the
+body's `id` is `cmpl-<client id>` / `chatcmpl-<client id>`. A second live request under the same
+header is 409. Workers never see it: the router names the request with its own internal id
+(router/request_ids.py).
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import uuid
 from pathlib import Path
 
 import grpc
@@ -23,8 +28,10 @@ from aiohttp import web
 
 from proto import pdserve_pb2 as pb
 from router.journey_state import RouterError
+from router.request_ids import new_client_id
 from router.security import OPEN_HTTP_PATHS
 from router.server import Router
+from router.validation import check_request_id
 
 # Used when the model ships no chat template: one line per turn, then the assistant's cue.
 DEFAULT_CHAT_TEMPLATE = (
@@ -33,10 +40,12 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+REQUEST_ID_HEADER = "X-Request-Id"
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
@@ -124,16 +133,24 @@ class OpenAIServer:
             return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
         except RecursionError:
             return error_response(400, "the request body is nested too deeply", "invalid_request_error")
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        grpc_request.request_id = rid  # the same id in the response and in every process's logs
+        client_id = request.headers.get(REQUEST_ID_HEADER) or new_client_id()
+        try:
+            check_request_id(client_id, self.router.limits)
+        except RouterError as exc:
+            return error_response(400, f"{REQUEST_ID_HEADER}: {exc}", "invalid_request_error", REQUEST_ID_HEADER)
+        grpc_request.request_id = client_id  # echoed and logged by the router, never sent to a worker
+        rid = ("chatcmpl-" if chat else "cmpl-") + client_id
         created = int(time.time())
         stream = bool(body.get("stream"))
         # aclosing: however this handler ends (done, error, the client gone), the journey is closed
         # now, which aborts the request on every worker and frees its pages.
         async with contextlib.aclosing(self.router.run(grpc_request)) as responses:
-            return await self._respond(request, responses, rid, created, chat, stream)
+            response = await self._respond(request, responses, rid, client_id, created, chat, stream)
+        if not response.prepared:  # a streamed response sent its headers already, this one with them
+            response.headers[REQUEST_ID_HEADER] = client_id
+        return response
 
-    async def _respond(self, request: web.Request, responses, rid: str, created: int, chat: bool,
+    async def _respond(self, request: web.Request, responses, rid: str, client_id: str, created: int, chat: bool,
                        stream: bool) -> web.StreamResponse:
         try:
             first = await anext(responses)  # errors before anything was sent become HTTP errors
@@ -154,7 +171,8 @@ class OpenAIServer:
             return web.json_response(self._body(rid, created, chat, "".join(text), FINISH.get(last.finish_reason),
                                                 last.usage, final=True, stream=False,
                                                 logprobs=self._logprobs(chat, ids, logprobs)))
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                          REQUEST_ID_HEADER: client_id})
         await out.prepare(request)
         try:
             if chat:  # OpenAI streams the role first
