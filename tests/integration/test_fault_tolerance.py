@@ -33,14 +33,27 @@ MAX_TOKENS = 12
 ROUTER = {"heartbeat_timeout_s": 1.0, "retry_wait_s": 5.0}
 
 
-def crash_once(role: str, event: type, when: str, nth: int = 1):
+class Target:
+    """Which worker-side ids are TARGET's. Workers never see a client's id, only the router's
+    internal one (router/request_ids.py), so the hooks ask the router (`router` is set once the
+    cluster is up, before any request) for the internal id of the live request TARGET."""
+
+    def __init__(self) -> None:
+        self.router = None
+
+    def owns(self, request_id: str) -> bool:
+        internal = self.router.live_ids.internal_id(TARGET) if self.router is not None else None
+        return internal is not None and request_id.split(".retry")[0] == internal  # or a retry of it
+
+
+def crash_once(role: str, event: type, when: str, nth: int, target: Target):
     """Hooks for every worker of `role`: the first one to emit its `nth` `event` for TARGET
     (or a retry of it) crashes there, once for the whole cluster."""
     lock = threading.Lock()
     seen = {"count": 0, "fired": False}
 
     def hook(message: object) -> str | None:
-        if not isinstance(message, event) or not message.request_id.startswith(TARGET):
+        if not isinstance(message, event) or not target.owns(message.request_id):
             return None
         with lock:
             seen["count"] += 1
@@ -91,8 +104,10 @@ def run_all(cluster: LocalCluster) -> list[list[int] | grpc.RpcError]:
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_a_worker_dies_at_each_stage(tiny_dir, expected, stage):
     role, event, when, nth = STAGES[stage]
+    target = Target()
     cluster = LocalCluster(tiny_dir, "disaggregated", ENGINE, num_workers=2,
-                           crash_when=crash_once(role, event, when, nth), **ROUTER)
+                           crash_when=crash_once(role, event, when, nth, target), **ROUTER)
+    target.router = cluster.router
     try:
         start = time.monotonic()
         results = run_all(cluster)
@@ -112,8 +127,10 @@ def test_a_worker_replaced_faster_than_the_heartbeat_timeout_is_noticed(tiny_dir
     heartbeats never pause: the new incarnation in its heartbeats tells the router that the
     request's state is gone, and the request is resumed (on the replacement) long before the
     heartbeat timeout or the deadline."""
-    hooks = {"decode-0": crash_once("decode", wm.Tokens, "before", 2)["decode-0"]}
+    target = Target()
+    hooks = {"decode-0": crash_once("decode", wm.Tokens, "before", 2, target)["decode-0"]}
     cluster = LocalCluster(tiny_dir, "disaggregated", ENGINE, crash_when=hooks, heartbeat_timeout_s=30.0)
+    target.router = cluster.router
     old = next(h for h in cluster.hosts if h.worker_id == "decode-0")
     try:
         req = pb.GenerateRequest(request_id=TARGET, token_ids=pb.TokenIds(ids=PROMPTS[3]),
@@ -137,9 +154,11 @@ def test_a_worker_replaced_faster_than_the_heartbeat_timeout_is_noticed(tiny_dir
 def test_a_stream_that_already_ended_is_finished_not_retried(tiny_dir, expected):
     """max_tokens=1: the client has its only token when the decode worker dies before reporting
     the finish; the router finishes the stream itself (length) instead of asking for 0 tokens."""
-    hooks = {"decode-0": crash_once("decode", wm.Tokens, "before", 1)["decode-0"]}
+    target = Target()
+    hooks = {"decode-0": crash_once("decode", wm.Tokens, "before", 1, target)["decode-0"]}
     cluster = LocalCluster(tiny_dir, "disaggregated", ENGINE, crash_when=hooks, heartbeat_timeout_s=1.0,
                            retry_wait_s=0.5)
+    target.router = cluster.router
     try:
         req = pb.GenerateRequest(request_id=TARGET, token_ids=pb.TokenIds(ids=PROMPTS[0]),
                                  sampling=pb.SamplingParams(max_tokens=1, ignore_eos=True))

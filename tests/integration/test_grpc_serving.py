@@ -46,25 +46,42 @@ def streamed(stub, req) -> tuple[list[int], str, pb.GenerateResponse]:
 
 
 def test_concurrent_mix_matches_hf(cluster, hf_tiny):
+    """Requests in flight together each get their own tokens, under their own client ids (none
+    given: a fresh one). "mix.retry1" looks like the router's name for a retry of "mix" on the
+    workers; it cannot collide with it, because workers only see the router's own ids."""
     base = [0] + list(range(400, 460))
     prompts = [base, base[:40] + [1000, 1001], [0, 77], list(range(5, 35)), base[:24]]
+    client_ids = ["mix", "mix.retry1", "", "", "mix-2"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = []
-        for i, p in enumerate(prompts):
+        for i, (p, client_id) in enumerate(zip(prompts, client_ids)):
+            req = request(p)
+            req.request_id = client_id
             if i % 2:
-                futures.append(pool.submit(lambda p=p: cluster.stub.GenerateUnary(request(p), timeout=60)))
+                futures.append(pool.submit(lambda req=req: cluster.stub.GenerateUnary(req, timeout=60)))
             else:
-                futures.append(pool.submit(streamed, cluster.stub, request(p)))
+                futures.append(pool.submit(streamed_with_ids, cluster.stub, req))
         results = [f.result() for f in futures]
     tok = cluster.router.tokenizer
+    echoed = []
     for i, (p, r) in enumerate(zip(prompts, results)):
         expected = hf_greedy(hf_tiny, p, 12)[0]
-        ids, text, last = (list(r.token_ids), r.text, r) if i % 2 else r
+        (ids, text, last), seen = ((list(r.token_ids), r.text, r), {r.request_id}) if i % 2 else r
         assert ids == expected, f"prompt {i}"
         assert text == tok.decode(expected)
         assert last.finish_reason == pb.FINISH_REASON_LENGTH
         assert last.usage.prompt_tokens == len(p) and last.usage.completion_tokens == 12
+        assert len(seen) == 1, f"prompt {i}: one id on every response, got {seen}"
+        echoed += seen
+    assert [e for e, given in zip(echoed, client_ids) if given] == [c for c in client_ids if c]
+    assert all(echoed) and len(set(echoed)) == len(echoed)  # the router's ids for the others: fresh
     cluster.wait_pages_free()
+
+
+def streamed_with_ids(stub, req) -> tuple[tuple[list[int], str, pb.GenerateResponse], set[str]]:
+    responses = list(stub.Generate(req, timeout=60))
+    ids = [t for r in responses for t in r.token_ids]
+    return (ids, "".join(r.text for r in responses), responses[-1]), {r.request_id for r in responses}
 
 
 def test_text_prompt_and_stop_string(cluster, hf_tiny):
@@ -257,19 +274,28 @@ def test_a_burst_queued_for_prefill_outlives_no_lease(tiny_dir):
             c.close()
 
 
-def test_a_request_id_already_in_flight_is_already_exists(cluster):
-    """Two live requests under one id would share worker state and events: the second is refused."""
-    slow = pb.GenerateRequest(request_id="same-id", token_ids=pb.TokenIds(ids=[0, 5, 6]),
-                              sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True))
+def test_a_request_id_already_in_flight_is_already_exists(cluster, hf_tiny):
+    """A second live request under a client's id is refused; the first goes on untouched (its
+    tokens are those it gets alone), and the id is free again once it ended. Inside the cluster
+    the request goes by the router's own id, never the client's."""
+    prompt = [0, 5, 6]
+    slow = request(prompt, max_tokens=200)
+    slow.request_id = "same-id"
     first = cluster.stub.Generate(slow, timeout=60)
-    assert next(first).token_ids  # streaming: the first is in flight
+    head = next(first)
+    assert head.token_ids and head.request_id == "same-id"  # streaming: the first is in flight
+    internal = cluster.router.live_ids.internal_id("same-id")
+    assert internal and "same-id" not in internal
     with pytest.raises(grpc.RpcError) as info:
         cluster.stub.GenerateUnary(pb.GenerateRequest(request_id="same-id", text="x"), timeout=30)
     assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS and "same-id" in info.value.details()
-    assert sum(len(r.token_ids) for r in first) + 1 == 200  # the first one is untouched
-    again = cluster.stub.GenerateUnary(pb.GenerateRequest(request_id="same-id", token_ids=pb.TokenIds(ids=[0, 5]),
-                                                          sampling=pb.SamplingParams(max_tokens=2)), timeout=30)
-    assert again.usage.completion_tokens == 2  # ended ids are free again
+    rest = list(first)
+    got = list(head.token_ids) + [t for r in rest for t in r.token_ids]
+    assert {r.request_id for r in rest} == {"same-id"} and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert cluster.router.live_ids.internal_id("same-id") is None
+    assert got[:12] == hf_greedy(hf_tiny, prompt, 12)[0]
+    again = cluster.stub.GenerateUnary(slow, timeout=60)  # ended ids are free again
+    assert again.request_id == "same-id" and list(again.token_ids) == got  # the same tokens it gets alone
     cluster.wait_pages_free()
 
 

@@ -5,6 +5,7 @@ prompts, /v1/models, /health, and OpenAI-shaped errors with the right HTTP statu
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import socket
 import time
@@ -224,3 +225,40 @@ def test_metrics_after_traffic(served):
     assert delta("pdserve_time_per_output_token_seconds_count") == 1
     assert delta("pdserve_inter_token_latency_seconds_count") == 4
     assert after["pdserve_requests_in_flight"] == 0
+
+
+def test_request_ids_are_the_clients_and_echoed(served):
+    """X-Request-Id is the client's id: echoed in the header and in the body's id (a fresh one
+    when none is given); a second live request under it is 409 while the first streams on."""
+    cluster, client, port = served
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=[0, 5], max_tokens=2,
+                                                      extra_headers={"X-Request-Id": "http-1"})
+    assert raw.headers["x-request-id"] == "http-1" and raw.parse().id == "cmpl-http-1"
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                           max_tokens=2)
+    fresh = raw.headers["x-request-id"]
+    assert fresh and raw.parse().id == "chatcmpl-" + fresh
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_headers={"X-Request-Id": "a b"})
+    assert info.value.body["param"] == "X-Request-Id"
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = {"model": MODEL, "prompt": [0, 5, 6], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        conn.request("POST", "/v1/completions", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "X-Request-Id": "http-same"})
+        live = conn.getresponse()  # the headers come with the first token: it is in flight
+        assert live.status == 200 and live.getheader("X-Request-Id") == "http-same"
+        with pytest.raises(openai.ConflictError) as conflict:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_headers={"X-Request-Id": "http-same"})
+        assert conflict.value.status_code == 409 and "http-same" in conflict.value.body["message"]
+        chunks = [json.loads(line[len(b"data: "):]) for line in (live.readline() for _ in range(40))
+                  if line.startswith(b"data: {")]
+        assert chunks and {c["id"] for c in chunks} == {"cmpl-http-same"}  # the first streams on
+    finally:
+        conn.close()  # the client goes away: its request is aborted
+    deadline = time.monotonic() + 10
+    while cluster.router.num_in_flight:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cluster.wait_pages_free(timeout_s=5.0)

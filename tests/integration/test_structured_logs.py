@@ -1,6 +1,7 @@
 """One request id follows a request through the router, the prefill worker and the decode
 worker in JSON log lines (an in-process disaggregated cluster; the lines are captured from the
-one logging handler every component writes through)."""
+one logging handler every component writes through). That id is the router's internal one
+(router/request_ids.py); the router's lines carry the client's id beside it, the workers' never."""
 
 from __future__ import annotations
 
@@ -41,10 +42,17 @@ def json_log():
 def test_one_request_id_across_router_prefill_and_decode(cluster, json_log):
     req = pb.GenerateRequest(request_id="req-trace-1", token_ids=pb.TokenIds(ids=list(range(10, 40))),
                              sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True))
-    assert list(cluster.stub.Generate(req, timeout=60))[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    responses = list(cluster.stub.Generate(req, timeout=60))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert {r.request_id for r in responses} == {"req-trace-1"}  # the client's id, echoed
     cluster.wait_pages_free()
     lines = [json.loads(line) for line in json_log.getvalue().splitlines()]
-    mine = [rec for rec in lines if rec["request_id"] == "req-trace-1"]
+    # The operator's way in: the client's id on the router's arrival line names the internal id.
+    [received] = [rec for rec in lines if rec["event"] == "received"
+                  and rec["fields"].get("client_request_id") == "req-trace-1"]
+    internal = received["request_id"]
+    assert internal and "req-trace-1" not in internal
+    mine = [rec for rec in lines if rec["request_id"] == internal]
     events = {(rec["component"], rec["event"]) for rec in mine}
     assert events >= {
         ("router", "received"), ("router", "admitted"), ("router", "dispatched"), ("router", "first_token"),
@@ -58,6 +66,9 @@ def test_one_request_id_across_router_prefill_and_decode(cluster, json_log):
     assert finished["fields"]["completion_tokens"] == 5 and finished["fields"]["finish_reason"] == "length"
     transfer = next(rec for rec in mine if rec["event"] == "transfer_done")
     assert transfer["fields"] == {"state": "done", "pages_sent": 4}
+    assert all(rec["fields"]["client_request_id"] == "req-trace-1" for rec in mine if rec["component"] == "router")
+    # No worker ever heard of the client's id: it is for echo and the router's logs only.
+    assert not [rec for rec in lines if rec["component"] != "router" and "req-trace-1" in json.dumps(rec)]
     # Lifecycle only: a handful of lines per component, never one per token.
     assert len(mine) < 20
     ts = [rec["ts"] for rec in mine if rec["component"] == "router"]
@@ -72,3 +83,5 @@ def test_rejected_request_logs_an_error_with_its_id(cluster, json_log):
     errors = [json.loads(line) for line in json_log.getvalue().splitlines() if '"req-bad"' in line]
     assert [(e["event"], e["level"], e["fields"]["status"]) for e in errors if e["event"] == "error"] == [
         ("error", "WARNING", "INVALID_ARGUMENT")]
+    # Logged under the client's id and the internal one the router gave it at arrival.
+    assert len({e["request_id"] for e in errors}) == 1 and errors[0]["request_id"] not in (None, "req-bad")
