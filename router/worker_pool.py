@@ -3,7 +3,8 @@ dispatch of worker events to the request they belong to.
 
 One PULL socket (bound on router.worker_event_port) takes every worker's events; Load
 heartbeats update health and policy inputs, everything else goes to the waiting request's
-queue by request id (events for requests that already ended are dropped).
+queue by the router's internal request id (router/request_ids.py; events for requests that
+already ended are dropped).
 
 Membership changes at run time (`pdserve scale`): `add` connects to a new worker, `drain`
 stops routing new requests to one while those it holds finish (`in_flight` counts them), and
