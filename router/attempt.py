@@ -272,7 +272,10 @@ async def _next(events: asyncio.Queue, deadline: float, pool: Pool, watched: dic
         if remaining <= 0:
             raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired")
         try:
-            return await asyncio.wait_for(events.get(), min(remaining, check_every_s))
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that lands in the loop turn
+            # the event arrives, and the request of a client gone then runs to its end.
+            async with asyncio.timeout(min(remaining, check_every_s)):
+                return await events.get()
         except TimeoutError:
             dead = sorted(w for w in watched if not pool.healthy(w))
             if dead:

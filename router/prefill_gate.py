@@ -60,7 +60,9 @@ class PrefillGate:
                     raise on_timeout()
                 self._changed.clear()
                 try:  # woken by a release or a turn change; rechecked anyway for worker health
-                    await asyncio.wait_for(self._changed.wait(), min(remaining, recheck_s))
+                    # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel (router/attempt.py _next)
+                    async with asyncio.timeout(min(remaining, recheck_s)):
+                        await self._changed.wait()
                 except TimeoutError:
                     pass
         finally:
