@@ -273,6 +273,13 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
   };
   auto page_tokens = [&](int64_t p) { return std::min(page_size, kv_end - p * page_size); };
 
+  // A decode token's rows (its query heads of this KV head), kDecodeRows at a time, for both
+  // passes; the whole-group case is a call of its own so that the row count is a constant there.
+  auto each_decode_block = [&](auto&& f) {
+    if (rows == kDecodeRows) return f(int64_t{0}, std::integral_constant<int, kDecodeRows>{});
+    for (int64_t r = 0; r < rows; r += kDecodeRows) with_row_count(rows - r, [&](auto R) { f(r, R); });
+  };
+
   // Pass 1: scores[r, t] = q_r . k_t, page by page; a page's K slice stays in L1 while every
   // row that can see it takes it, eight keys at a time. Keys past a row's limit within its
   // last page are scored too and never read.
@@ -287,14 +294,7 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
     // Two rows at a time share each key load; rows are in query order, so when row r sees
     // the page, row r + 1 does too. score(r, R) scores rows r .. r + R - 1.
     auto each_row_block = [&](auto&& score) {
-      if (n_q == 1 && rows == kDecodeRows) {  // one decode token's heads see the same keys
-        score(0, std::integral_constant<int, kDecodeRows>{});
-        return;
-      }
-      if (n_q == 1) {  // other group sizes: three at a time
-        for (int64_t r = 0; r < rows; r += kDecodeRows) with_row_count(rows - r, [&](auto R) { score(r, R); });
-        return;
-      }
+      if (n_q == 1) return each_decode_block(score);  // one decode token's heads see the same keys
       int64_t r = 0;
       for (; r + 1 < rows; r += 2) {
         if (limits[r] <= t0) {  // causal: the page is in row r's future (r + 1 may still see it)
@@ -364,18 +364,10 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
       prefetch_page(page_base(v_cache, p + kPrefetchPages), page_tokens(p + kPrefetchPages),
                     tok_stride * sizeof(scalar_t), slice_bytes);
     auto accumulate_page = [&](const auto& vp) {
-      if (n_q == 1 && rows == kDecodeRows) {  // as in pass 1
-        accumulate_rows<NV, kDecodeRows>(vp, n, scores.data() + t0, row_len, acc.data());
-        return;
-      }
-      if (n_q == 1) {
-        for (int64_t r = 0; r < rows; r += kDecodeRows)
-          with_row_count(rows - r, [&](auto R) {
-            accumulate_rows<NV, decltype(R)::value>(vp, n, scores.data() + r * row_len + t0, row_len,
-                                                    acc.data() + r * NV);
-          });
-        return;
-      }
+      if (n_q == 1)  // as in pass 1
+        return each_decode_block([&](int64_t r, auto R) {
+          accumulate_rows<NV, decltype(R)::value>(vp, n, scores.data() + r * row_len + t0, row_len, acc.data() + r * NV);
+        });
       int64_t r = 0;
       for (; r + 1 < rows; r += 2) {  // two rows share each value load, as in pass 1
         const int64_t m0 = std::min(n, limits[r] - t0), m1 = std::min(n, limits[r + 1] - t0);
