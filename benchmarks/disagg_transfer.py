@@ -35,6 +35,7 @@ from engine.kv_transfer import KVReceiver, KVSender, TransferState, poll
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from loadgen.metrics import percentile
 from proto import pdserve_pb2 as pb
+from proto.frame_auth import ClusterSecret
 
 
 def free_port() -> int:
@@ -73,7 +74,7 @@ def raw_loopback_seconds(num_bytes: int, chunk: int = 1 << 20) -> float:
     return elapsed
 
 
-def _receiver_process(model_dir: str, dtype: str, num_pages: int, page_size: int, conn) -> None:
+def _receiver_process(model_dir: str, dtype: str, num_pages: int, page_size: int, secret: str, conn) -> None:
     """The decode side in its own process (as in a cluster): a KV cache, a ZMQ receiver, and a
     loop that reports the time each expected transfer completed."""
     from engine.kv_cache import KVCache
@@ -81,7 +82,7 @@ def _receiver_process(model_dir: str, dtype: str, num_pages: int, page_size: int
     from engine.model.loader import DTYPES
 
     cache = KVCache(ModelConfig.from_dir(model_dir), num_pages, page_size, DTYPES[dtype], "cpu")
-    frames = ZmqFrameReceiver("127.0.0.1", 0)
+    frames = ZmqFrameReceiver("127.0.0.1", 0, ClusterSecret(secret), sign_payload=False)  # as a cluster signs: headers
     receiver = KVReceiver(cache)
     conn.send(frames.address)
     while True:
@@ -106,9 +107,11 @@ class ZmqLink:
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_process, args=(str(model_dir), dtype, num_pages, page_size, child))
+        secret = ClusterSecret.generate()
+        self.proc = ctx.Process(target=_receiver_process,
+                                args=(str(model_dir), dtype, num_pages, page_size, secret.reveal(), child))
         self.proc.start()
-        self.sender = KVSender(ZmqFrameSender(self.conn.recv()))
+        self.sender = KVSender(ZmqFrameSender(self.conn.recv(), secret, sign_payload=False))
         self.count = 0
 
     def transfer_seconds(self, src: LLMEngine, pages: list[int], pages_per_frame: int = 8) -> float:

@@ -60,7 +60,7 @@ def down(args: argparse.Namespace) -> int:
 
 def _control(config_path: str, request: dict, timeout_s: float) -> dict:
     """One request to the `up` process of CONFIG's cluster; exits with the reason on failure."""
-    from cluster import launcher
+    from cluster import cluster_secret, launcher
     from cluster.control import control_request
     from cluster.lifecycle import pid_alive
     from configs import load_cluster_config
@@ -72,8 +72,8 @@ def _control(config_path: str, request: dict, timeout_s: float) -> dict:
     host = config.router.host if config.router.host != "0.0.0.0" else "127.0.0.1"
     address = state.get("control_address") or f"{host}:{config.router.control_port}"  # `up` wrote where it listens
     try:
-        reply = control_request(address, request, timeout_s)
-    except TimeoutError as exc:
+        reply = control_request(address, request, timeout_s, cluster_secret.for_client(config, config_path))
+    except (TimeoutError, PermissionError, ValueError) as exc:
         raise SystemExit(f"pdserve: {exc}") from None
     if not reply.get("ok"):
         raise SystemExit(f"pdserve: {reply.get('error')}")

@@ -1,7 +1,11 @@
 """The `pdserve up` process's control socket: how `pdserve status` and `pdserve scale`, run
 from another terminal, reach the running cluster.
 
-ZMQ REQ/REP on router.host:router.control_port, one msgpack map each way (no pickle):
+ZMQ REQ/REP on the internal address's router.control_port, one msgpack map each way (no
+pickle), each signed under the cluster's secret (proto/frame_auth.py; the client finds the secret
+with cluster/cluster_secret.py `for_client`). A request that is not signed, or is replayed, is
+answered {"ok": false} without being parsed, logged and counted (`rejected`, shown by `pdserve
+status --json` as control_rejected):
     {"op": "status"}                                   -> {"ok": true, "status": {...}}
     {"op": "scale", "sizes": {"decode": 2}, "drain_timeout_s": 60}
                                                        -> {"ok": true, "changes": [...]}
@@ -19,14 +23,20 @@ import msgpack
 import zmq
 
 from cluster.pools import PoolManager, ScaleError
+from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifier
 
 log = logging.getLogger(__name__)
+MAX_CONTROL_BYTES = 1 << 20  # a request is a small map
+REPLY = "#reply"  # answers are signed for the address + this: a request can never pass for an answer
 
 
 class ControlServer:
-    def __init__(self, pools: PoolManager, address: str) -> None:
+    def __init__(self, pools: PoolManager, address: str, secret: ClusterSecret) -> None:
         self.pools = pools
         self.address = address
+        self.rejected: dict[str, int] = {}  # refused requests by reason
+        self._verifier = FrameVerifier(secret, address)
+        self._signer = FrameSigner(secret, "control")
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._error: BaseException | None = None
@@ -45,6 +55,7 @@ class ControlServer:
     def _run(self) -> None:
         sock = zmq.Context.instance().socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         try:
             sock.bind(f"tcp://{self.address}")
         except zmq.ZMQError as exc:
@@ -57,19 +68,29 @@ class ControlServer:
             while not self._stop.is_set():
                 if not sock.poll(200):
                     continue
-                data = sock.recv()
-                sock.send(msgpack.packb(self._handle(data), use_bin_type=True))
+                reply = self._handle(sock.recv_multipart())
+                # A REP socket answers every request (refusals too); the answer is signed, so a
+                # client knows it came from this cluster's `up` process.
+                sock.send_multipart(self._signer.wrap(self.address + REPLY, msgpack.packb(reply, use_bin_type=True)))
         finally:
             sock.close()
 
-    def _handle(self, data: bytes) -> dict:
+    def _handle(self, message: list[bytes]) -> dict:
         try:
-            request = msgpack.unpackb(data, raw=False)
+            _, parts = self._verifier.verify(message)
+        except AuthError as exc:  # never parsed: a peer without the secret gets nothing done
+            self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+            log.warning("refused a control request (%s): %s", exc.reason, str(exc)[:200])
+            return {"ok": False, "error": f"refused: {exc.reason}"}
+        try:
+            if len(parts) != 1:
+                raise ScaleError("a control request is one msgpack map after its signature")
+            request = msgpack.unpackb(parts[0], raw=False)
             if not isinstance(request, dict):
                 raise ScaleError("a control request is a map with an 'op'")
             op = request.get("op")
             if op == "status":
-                return {"ok": True, "status": self.pools.status()}
+                return {"ok": True, "status": {**self.pools.status(), "control_rejected": dict(self.rejected)}}
             if op == "scale":
                 sizes = request.get("sizes")
                 if not isinstance(sizes, dict) or not sizes:
@@ -85,15 +106,23 @@ class ControlServer:
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def control_request(address: str, request: dict, timeout_s: float) -> dict:
-    """Sends one request to a running `up` process; TimeoutError when nothing answers."""
+def control_request(address: str, request: dict, timeout_s: float, secret: ClusterSecret) -> dict:
+    """Sends one request to a running `up` process; TimeoutError when nothing answers,
+    PermissionError when the answer is not signed under `secret`."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # a status of many workers
     try:
         sock.connect(f"tcp://{address}")
-        sock.send(msgpack.packb(request, use_bin_type=True))
+        sock.send_multipart(FrameSigner(secret, "cli").wrap(address, msgpack.packb(request, use_bin_type=True)))
         if not sock.poll(int(timeout_s * 1000)):
             raise TimeoutError(f"no answer from the cluster's control socket at {address} within {timeout_s:.0f} s")
-        return msgpack.unpackb(sock.recv(), raw=False)
+        try:
+            _, parts = FrameVerifier(secret, address + REPLY).verify(sock.recv_multipart())
+        except AuthError as exc:
+            raise PermissionError(f"the answer from {address} is not from this cluster ({exc})") from None
+        if len(parts) != 1:
+            raise PermissionError(f"the answer from {address} is {len(parts)} parts, not one")
+        return msgpack.unpackb(parts[0], raw=False)
     finally:
         sock.close()

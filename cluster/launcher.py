@@ -20,6 +20,7 @@ from cluster.kv_destinations import share_kv_destinations
 from cluster.specs import model_cache_dir, router_spec
 from cluster.worker_launch import WorkerSlot, start_worker, worker_host
 from configs import ClusterConfig
+from proto.frame_auth import ClusterSecret
 from router.security import FrontDoorSecurity
 
 RUN_DIR_ENV = "PDSERVE_RUN_DIR"
@@ -42,6 +43,7 @@ class RunningCluster:
     slots: dict[str, WorkerSlot]  # worker_id -> its actors; changed by cluster/pools.py under `lock`
     grpc_address: str
     owns_ray: bool
+    secret: ClusterSecret = field(repr=False)  # every worker the pools start later gets it too
     lock: threading.RLock = field(default_factory=threading.RLock)
     closed: bool = False  # set by shutdown: the supervisor and autoscaler start nothing after it
 
@@ -89,7 +91,8 @@ def _init_ray(config: ClusterConfig) -> bool:
     return True
 
 
-def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningCluster:
+def up(config: ClusterConfig, timeout_s: float = 180.0, say=print, secret: ClusterSecret | None = None) -> RunningCluster:
+    """`secret`: the cluster's (cluster/cluster_secret.py); None = the operator's, else a new one."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -98,6 +101,10 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
 
     # The API key and TLS files, read and checked before anything starts (an unset variable fails here).
     security = FrontDoorSecurity.load(config.router)
+    if secret is None:
+        from cluster.cluster_secret import resolve
+
+        secret, _ = resolve(config)
     owns_ray = _init_ray(config)
     host = worker_host(config)
     slots: dict[str, WorkerSlot] = {}
@@ -109,7 +116,7 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
         for role in ("prefill", "decode", "colocated"):
             pool = getattr(config, role)
             for i in range(pool.num_workers if pool is not None else 0):
-                slot = start_worker(config, role, i, timeout_s)
+                slot = start_worker(config, role, i, timeout_s, secret)
                 slots[slot.worker_id] = slot
         for wid, bound in wait_ready({wid: slot.actor for wid, slot in slots.items()}, timeout_s, say).items():
             slots[wid].resolve(bound)
@@ -118,7 +125,8 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
         if unreached:
             raise RuntimeError(f"{', '.join(unreached)} could not be told where the decode workers take KV")
         # The event socket binds the internal address, never a public 0.0.0.0.
-        spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], host, security)
+        spec = router_spec(config, str(model_dir), [slot.endpoint() for slot in slots.values()], host, secret,
+                           security)
         # Pinned to this node: router.host (or, for 0.0.0.0, this node's IP) is where clients and
         # workers find it. Several calls at once: a drain waits on the router while status reads it.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -143,7 +151,7 @@ def up(config: ClusterConfig, timeout_s: float = 180.0, say=print) -> RunningClu
         if owns_ray:
             ray.shutdown()
         raise
-    return RunningCluster(config, router, slots, f"{host}:{config.router.grpc_port}", owns_ray)
+    return RunningCluster(config, router, slots, f"{host}:{config.router.grpc_port}", owns_ray, secret)
 
 
 def wait_ready(actors: dict[str, object], timeout_s: float, say) -> dict[str, object]:

@@ -1,8 +1,10 @@
 """One running cluster and everything that keeps it running: the `Cluster` object.
 
 `pdserve up`, `pdserve demo` and `pdserve bench compare` all run a cluster through it, so each
-gets the same thing: the actors (cluster/launcher.py), the state file `down` / `status` / `scale`
-find it by, the Prometheus targets file, the pool manager and its control socket
+gets the same thing: the cluster's secret (cluster/cluster_secret.py), the actors
+(cluster/launcher.py), the state file `down` / `status` / `scale` find it by (and, for a secret
+made here, the owner-only file they sign their requests with), the Prometheus targets file, the
+pool manager and its control socket
 (cluster/pools.py, cluster/control.py), the supervisor that replaces dead workers and, where a
 pool asks for it, the autoscaler (cluster/autoscaler.py). `start` brings all of it up (undoing
 what it did if a step fails), `serve_until_signal` waits for SIGINT or SIGTERM, `shutdown` ends
@@ -74,19 +76,24 @@ class Cluster:
         return self.running.grpc_address
 
     def start(self) -> Cluster:
+        from cluster import cluster_secret
         from cluster.autoscaler import Autoscaler
         from cluster.control import ControlServer
         from cluster.pools import PoolManager
 
         refuse_if_up(self.config_path)
-        self.running = launcher.up(self.config, timeout_s=self.timeout_s, say=self.say)
+        secret, generated = cluster_secret.resolve(self.config)
+        self.running = launcher.up(self.config, timeout_s=self.timeout_s, say=self.say, secret=secret)
         try:
+            if generated:  # `status` and `scale` of this user find it there; removed at shutdown
+                self._files.append(cluster_secret.write_secret_file(self.config_path, secret))
             self._files.append(launcher.write_state(self.config_path, self.running))
             self._files.append(self._write_targets())
             self.say(f"pdserve: Prometheus targets (file_sd) in {self._files[-1]}")
             pools = PoolManager(self.running, start_timeout_s=self.timeout_s, on_change=self._write_targets)
             # On the internal address (cluster/worker_launch.py worker_host), never a public 0.0.0.0.
-            self._control = ControlServer(pools, f"{worker_host(self.config)}:{self.config.router.control_port}")
+            self._control = ControlServer(pools, f"{worker_host(self.config)}:{self.config.router.control_port}",
+                                          secret)
             self._control.start()
             self._threads.append(pools.supervise(self._stop_rounds, say=self.say))
             if any(pool.autoscaling is not None for _, pool in serving_pools(self.config)):

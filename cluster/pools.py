@@ -144,7 +144,7 @@ class PoolManager:
         slots, added = [], []
         try:
             for i in indices:
-                slots.append(start_worker(self.cluster.config, role, i, self.start_timeout_s))
+                slots.append(start_worker(self.cluster.config, role, i, self.start_timeout_s, self.cluster.secret))
             for wid, bound in wait_ready({s.worker_id: s.actor for s in slots}, self.start_timeout_s, say).items():
                 next(s for s in slots if s.worker_id == wid).resolve(bound)
             # Before the router routes to them: every prefill worker knows a new decode worker,

@@ -4,8 +4,10 @@ Router commands arrive on a PULL socket the worker binds (its configured port); 
 the router's PULL socket through a PUSH. The loop alternates: take in every waiting command,
 run one step of the role, publish its snapshot; a Load heartbeat, read from that snapshot, goes
 out from a thread of its own. It blocks on the command socket
-only when the role has nothing to do. Messages are msgpack (proto/worker_messages.py); a
-malformed one is logged and dropped, never fatal.
+only when the role has nothing to do. Messages are msgpack (proto/worker_messages.py), signed
+under the cluster's secret both ways (proto/frame_auth.py). A command that is not signed,
+replayed, malformed, or one the role refuses is logged (with its request id once it is
+authentic), counted through `on_reject("commands", reason)` and dropped, never fatal.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Protocol
 import zmq
 
 from proto import worker_messages as wm
+from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifier
 
 log = logging.getLogger(__name__)
 MAX_COMMAND_BYTES = 16 << 20  # the largest command: a prompt of up to 1M token ids is ~9 MiB
@@ -31,17 +34,27 @@ class WorkerRole(Protocol):
     def publish(self) -> None: ...
 
 
-class EventSink:
-    """Thread-confined PUSH socket to the router; `emit` is what roles call."""
+OnReject = Callable[[str, str], None]  # (socket, reason): a dropped message, counted by the worker
 
-    def __init__(self, router_event_address: str, context: zmq.Context | None = None) -> None:
-        self.address = router_event_address
+
+class EventSink:
+    """Thread-confined PUSH socket to the router; `emit` is what roles call. Each sink signs
+    with a signer of its own (`name`: the worker's id, for the router's log lines)."""
+
+    def __init__(self, router_event_address: str, secret: ClusterSecret, name: str,
+                 context: zmq.Context | None = None) -> None:
+        self.address, self.name, self._secret = router_event_address, name, secret
+        self._signer = FrameSigner(secret, name)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"tcp://{router_event_address}")
 
+    def twin(self) -> EventSink:
+        """Another sink to the same router, for another thread (its own socket and counter)."""
+        return EventSink(self.address, self._secret, self.name)
+
     def emit(self, message: object) -> None:
-        self._sock.send(wm.encode(message))
+        self._sock.send_multipart(self._signer.wrap(self.address, wm.encode(message)))
 
     def close(self) -> None:
         self._sock.close()
@@ -53,11 +66,15 @@ def serve(
     events: EventSink,
     load: Callable[[], wm.Load],
     stop: threading.Event,
+    secret: ClusterSecret,
+    on_reject: OnReject = lambda socket, reason: None,
     heartbeat_s: float = 0.5,
     idle_wait_s: float = 0.01,
     on_ready: Callable[[], None] | None = None,
 ) -> None:
-    """Runs until `stop` is set. `command_address` is host:port to bind."""
+    """Runs until `stop` is set. `command_address` is host:port to bind; only commands signed
+    under `secret` for that address are taken."""
+    verifier = FrameVerifier(secret, command_address)
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES)  # a larger one drops its connection
@@ -65,7 +82,7 @@ def serve(
     # Heartbeats come from a thread of their own (with its own socket: ZMQ sockets are
     # thread-confined), so one long step (a 2k-token prefill can take seconds on a CPU) never
     # looks like a dead worker to the router. torch releases the GIL while it computes.
-    beat = threading.Thread(target=_heartbeat, args=(events.address, load, stop, heartbeat_s),
+    beat = threading.Thread(target=_heartbeat, args=(events.twin, load, stop, heartbeat_s),
                             name="pdserve-heartbeat", daemon=True)
     beat.start()
     if on_ready is not None:
@@ -76,15 +93,10 @@ def serve(
             if sock.poll(0 if busy else int(idle_wait_s * 1000)):
                 while True:
                     try:
-                        data = sock.recv(flags=zmq.NOBLOCK)
+                        message = sock.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    try:
-                        role.handle(wm.decode(data))
-                    except ValueError as exc:  # malformed, or a message this role does not take
-                        log.warning("dropped a bad command on %s: %s", command_address, str(exc)[:200])
-                    except Exception as exc:  # noqa: BLE001 - one command never ends the loop
-                        log.error("command on %s failed: %s: %s", command_address, type(exc).__name__, exc)
+                    _take(role, verifier, message, on_reject)
             busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
     except BaseException:
@@ -95,9 +107,33 @@ def serve(
         beat.join(heartbeat_s + 1)
 
 
-def _heartbeat(router_event_address: str, load: Callable[[], wm.Load], stop: threading.Event,
+def _take(role: WorkerRole, verifier: FrameVerifier, message: list[bytes], on_reject: OnReject) -> None:
+    """One received command to the role, or dropped, logged and counted with why."""
+    where, command = verifier.audience, None
+    try:
+        sender, parts = verifier.verify(message)  # nothing is parsed before this
+        if len(parts) != 1:
+            raise ValueError(f"a command is one part after its signature, not {len(parts)}")
+        command = wm.decode(bytes(parts[0]))
+        role.handle(command)
+    except AuthError as exc:  # not from this cluster's router: no request id worth believing
+        on_reject("commands", exc.reason)
+        log.warning("refused a command on %s (%s): %s", where, exc.reason, str(exc)[:200])
+    except ValueError as exc:  # malformed, or a message this role does not take
+        on_reject("commands", "malformed" if command is None else "refused")
+        log.warning("dropped a bad command on %s (request %s): %s", where, _request_id(command), str(exc)[:200])
+    except Exception as exc:  # noqa: BLE001 - one command never ends the loop
+        on_reject("commands", "error")
+        log.error("command on %s (request %s) failed: %s: %s", where, _request_id(command), type(exc).__name__, exc)
+
+
+def _request_id(command: object) -> str:
+    return repr(getattr(command, "request_id", None))
+
+
+def _heartbeat(make_sink: Callable[[], EventSink], load: Callable[[], wm.Load], stop: threading.Event,
                heartbeat_s: float) -> None:
-    sink = EventSink(router_event_address)
+    sink = make_sink()  # made on the thread that uses it
     try:
         while not stop.is_set():
             sink.emit(load())  # built from published snapshots: nothing here races the step loop

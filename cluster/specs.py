@@ -10,10 +10,11 @@ objects to every process that needs it; nothing crosses a process boundary as a 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from configs import ClusterConfig, EngineConfig
 from configs.cluster import PoolConfig
+from proto.frame_auth import ClusterSecret
 from router.security import FrontDoorSecurity
 from router.spec import RouterSpec
 from router.worker_pool import WorkerEndpoint
@@ -32,6 +33,8 @@ class WorkerSpec:
     host: str  # the address it binds: an IP, or NODE_IP ("node": the node Ray put it on)
     command_port: int  # router commands arrive here
     router_event_address: str  # host:port of the router's event socket
+    # Signs and checks every message on the worker's sockets (proto/frame_auth.py); repr hidden.
+    cluster_secret: ClusterSecret = field(repr=False)
     kv_port: int | None = None  # decode with the zmq transport: KV frames arrive here
     kv_transport: str = "zmq"  # "zmq" or "torch_dist" (kv_transfer.transport)
     kv_checksum: bool = False
@@ -87,10 +90,12 @@ def serving_pools(config: ClusterConfig) -> list[tuple[str, PoolConfig]]:
     return [(role, pool) for role in ROLES if (pool := getattr(config, role)) is not None]
 
 
-def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_host: str) -> WorkerSpec:
+def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_host: str,
+                secret: ClusterSecret) -> WorkerSpec:
     """Worker `<role>-<index>`: it takes the ports of index i (base_port + i, kv_base_port + i, ...),
     so a replacement comes back where the router already knows it. `host`: the address it binds;
-    `router_host`: where the router (and, for torch_dist, the KV group's store) listens."""
+    `router_host`: where the router (and, for torch_dist, the KV group's store) listens; `secret`:
+    the cluster's (cluster/cluster_secret.py), the same for every process of the cluster."""
     pool: PoolConfig = getattr(config, role)
     worker_id = f"{role}-{index}"
     kv = config.kv_transfer
@@ -104,7 +109,7 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
     return WorkerSpec(
         role=role, worker_id=worker_id, engine=config.engine_config(pool), host=host,
         command_port=pool.base_port + index,
-        router_event_address=f"{router_host}:{config.router.worker_event_port}",
+        router_event_address=f"{router_host}:{config.router.worker_event_port}", cluster_secret=secret,
         kv_port=pool.kv_base_port + index if role == "decode" and pool.kv_base_port is not None else None,
         kv_transport=kv.transport, kv_checksum=kv.checksum,
         dist_rank=rank, dist_world_size=world_size, dist_store_address=store, dist_sources=sources,
@@ -115,14 +120,16 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
 
 
 def router_spec(config: ClusterConfig, model_dir: str, endpoints: list[WorkerEndpoint], router_host: str,
-                security: FrontDoorSecurity | None = None, default_timeout_s: float = 600.0) -> RouterSpec:
+                secret: ClusterSecret, security: FrontDoorSecurity | None = None,
+                default_timeout_s: float = 600.0) -> RouterSpec:
     """The router of `config`, serving the checkpoint at `model_dir` (see `model_cache_dir`) with
-    workers at `endpoints`; its event socket binds `router_host`:router.worker_event_port.
+    workers at `endpoints`; its event socket binds `router_host`:router.worker_event_port and
+    takes only events signed under `secret`.
     `security`: the API key and TLS files already loaded from config.router; None = load them here."""
     limits = [pool.engine.max_model_len for _, pool in serving_pools(config) if pool.engine.max_model_len]
     return RouterSpec(
         model_dir=str(model_dir), model_name=config.model, mode=config.mode, endpoints=tuple(endpoints),
-        event_address=f"{router_host}:{config.router.worker_event_port}", router=config.router,
+        event_address=f"{router_host}:{config.router.worker_event_port}", cluster_secret=secret, router=config.router,
         kv_timeout_s=config.kv_transfer.timeout_s, lease_s=config.kv_transfer.reservation_lease_s,
         max_model_len=min(limits) if limits else None, default_timeout_s=default_timeout_s,
         security=FrontDoorSecurity.load(config.router) if security is None else security)

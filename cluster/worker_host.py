@@ -1,7 +1,9 @@
 """Hosts one worker role with its engine and sockets on a background thread: what each Ray
 worker actor runs (and what tests start directly). Composition only: engine + role + sockets +
 loop, and, with a metrics port, the worker's Prometheus /metrics (engine/metrics/worker_metrics.py) fed by the
-engine's step observer and the KV transfer observers.
+engine's step observer and the KV transfer observers. Every socket it opens signs or checks
+messages under the spec's cluster secret (proto/frame_auth.py); what its loops drop is counted in
+`rejections` (engine/metrics/rejected.py), served at /metrics and in `state()`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine.kv_transfer import KVSender, torch_dist
 from engine.kv_transfer.destinations import KVDestinations
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from engine.metrics.peak import Peak, resolve_peak
+from engine.metrics.rejected import RejectedMessages
 from engine.metrics.worker_metrics import WorkerMetrics
 from engine.parallel.layout import ShardGroup, ShardLayout
 from engine.parallel.shard_follower import group_backend
@@ -55,6 +58,7 @@ class WorkerHost:
         # Prefill: where KV may go. Empty until the process that started this worker says
         # (set_kv_destinations), so nothing is pushed anywhere before then.
         self.kv_destinations = KVDestinations()
+        self.rejections = RejectedMessages()  # internal messages the loops dropped, by (socket, reason)
         self._role = None  # the role object, once the serving thread made it
         self.engine: LLMEngine | None = None
         self.metrics: WorkerMetrics | None = None
@@ -80,7 +84,7 @@ class WorkerHost:
         if self.metrics_port is not None:
             peak = peak or resolve_peak(self.spec.peak_memory_bandwidth_gbps, self.spec.peak_tflops,
                                         engine_config.device, engine_config.dtype)
-            self.metrics = WorkerMetrics(self.engine, self.worker_id, self.role, peak)
+            self.metrics = WorkerMetrics(self.engine, self.worker_id, self.role, peak, rejected=self.rejected_messages)
             self.engine.add_step_observer(self.metrics.observe_step)
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -108,6 +112,14 @@ class WorkerHost:
     def page_stats(self) -> dict[str, int]:
         return self.engine.snapshot.page_stats()
 
+    def rejected_messages(self) -> dict[tuple[str, str], int]:
+        """(socket, reason) -> messages dropped: the loops' counts plus the role's refused
+        commands (a prefill worker's unknown KV destinations). Safe from any thread."""
+        counts = self.rejections.snapshot()
+        for reason, n in dict(getattr(self._role, "rejected", {})).items():
+            counts["commands", reason] = counts.get(("commands", reason), 0) + n
+        return counts
+
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
@@ -116,6 +128,7 @@ class WorkerHost:
         snap = self.engine.snapshot
         return {"running": snap.num_running, "waiting": snap.num_waiting, "kv_pages": snap.page_stats(),
                 "rejected": dict(getattr(self._role, "rejected", {})),  # refused commands by reason
+                "rejected_messages": _nested(self.rejected_messages()),  # every dropped message: {socket: {reason: n}}
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
 
     def _run(self, peak: Peak | None) -> None:
@@ -131,12 +144,14 @@ class WorkerHost:
             return
         # Sockets are created, used and closed on this thread only (ZMQ sockets are not
         # thread-safe).
-        events = EventSink(self.spec.router_event_address)
+        secret = self.spec.cluster_secret
+        events = EventSink(self.spec.router_event_address, secret, self.worker_id)
         closers = [events.close]
         try:
             role = self._role = self._make_role(self._event_tap(events.emit) if self._event_tap else events.emit,
                                                 closers)
-            serve(role, self.command_address, events, self._load(role), self._stop, on_ready=self._ready.set)
+            serve(role, self.command_address, events, self._load(role), self._stop, secret,
+                  on_reject=self.rejections.count, on_ready=self._ready.set)
         except BaseException as exc:  # noqa: BLE001 - the serving loop died, so the worker is dead
             self.crashed, self.error = True, exc
             # Heartbeats stop with the loop: the router must see a dead worker, never a zombie
@@ -164,7 +179,8 @@ class WorkerHost:
             if spec.kv_transport == "torch_dist":
                 receiver = torch_dist.DistFrameReceiver(spec.dist_sources, device)
             else:
-                receiver = ZmqFrameReceiver(spec.host, spec.kv_port)
+                receiver = ZmqFrameReceiver(spec.host, spec.kv_port, spec.cluster_secret,
+                                            sign_payload=not spec.kv_checksum, on_reject=self.rejections.count)
                 closers.append(receiver.close)
             return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
                                 transfer_observer=observe_transfer, max_lease_s=spec.max_lease_s,
@@ -176,7 +192,8 @@ class WorkerHost:
                 if address.startswith(torch_dist.PREFIX):
                     frames = torch_dist.DistFrameSender(address, device)
                 else:
-                    frames = ZmqFrameSender(address)
+                    frames = ZmqFrameSender(address, spec.cluster_secret, self.worker_id,
+                                            sign_payload=not spec.kv_checksum)
                     closers.append(frames.close)
                 senders[address] = KVSender(frames, checksum=spec.kv_checksum, observer=observe_transfer)
             return senders[address]
@@ -193,3 +210,10 @@ class WorkerHost:
             return wm.Load(worker_id, name, queued, snap.free_pages, snap.num_running, incarnation)
 
         return load
+
+
+def _nested(counts: dict[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (socket, reason), n in sorted(counts.items()):
+        out.setdefault(socket, {})[reason] = n
+    return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from cluster.placement import PlacedGroup, place_worker_group
 from cluster.specs import NODE_IP, WorkerSpec, worker_spec
 from configs import ClusterConfig
+from proto.frame_auth import ClusterSecret
 from router.worker_pool import WorkerEndpoint
 
 
@@ -93,15 +94,16 @@ def _bundle_node_ip(group: PlacedGroup) -> str:
     return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
-def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float) -> WorkerSlot:
+def start_worker(config: ClusterConfig, role: str, index: int, timeout_s: float, secret: ClusterSecret) -> WorkerSlot:
     """Creates worker `<role>-<index>`'s actors (placing its group first); does not wait for
-    them to be ready (the caller waits, with its own progress and timeout)."""
+    them to be ready (the caller waits, with its own progress and timeout). `secret`: the
+    cluster's, inside the spec the actor is constructed with."""
     from cluster.actors import WorkerActor
     from cluster.shard_actor import ShardActor
 
     pool = getattr(config, role)
     router_host = worker_host(config)
-    spec = worker_spec(config, role, index, router_host if on_loopback(config) else NODE_IP, router_host)
+    spec = worker_spec(config, role, index, router_host if on_loopback(config) else NODE_IP, router_host, secret)
     placement, shards, group = {}, [], None
     try:
         if pool.engine.world_size > 1:  # rank 0 here, ranks 1.. as ShardActors, one bundle each

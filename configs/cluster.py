@@ -190,6 +190,10 @@ class ClusterConfig(_Strict):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     ray: RayConfig = RayConfig()
     logging: LoggingConfig = LoggingConfig()
+    # The key every internal message is signed with (README "Security"): a path, never the secret
+    # itself. None = $PDSERVE_CLUSTER_SECRET, else one made by `pdserve up` (cluster/cluster_secret.py).
+    cluster_secret_file: str | None = Field(None, min_length=1, description="file holding the cluster's secret "
+                                            "(multi-host clusters whose processes start apart); None = generated")
 
     @model_validator(mode="after")
     def _check_combination(self) -> ClusterConfig:

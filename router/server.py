@@ -83,7 +83,7 @@ class Router:
     async def start(self, host: str, port: int) -> int:
         """Binds and starts serving; returns the bound gRPC port (port 0 picks one, for tests)."""
         rejected = self.metrics.rejected_messages
-        self.pool = WorkerPool(self.endpoints, self.event_address, self.heartbeat_timeout_s,
+        self.pool = WorkerPool(self.endpoints, self.event_address, self.spec.cluster_secret, self.heartbeat_timeout_s,
                                on_reject=lambda reason: rejected.labels("worker_events", reason).inc())
         self.pool.start()
         security = self.spec.security

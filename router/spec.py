@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from configs.cluster import RouterConfig
+from proto.frame_auth import ClusterSecret
 from router.security import FrontDoorSecurity
 from router.worker_pool import WorkerEndpoint
 
@@ -23,6 +24,9 @@ class RouterSpec:
     mode: Literal["disaggregated", "colocated"]
     endpoints: tuple[WorkerEndpoint, ...]
     event_address: str  # host:port the router's event socket binds (router.worker_event_port)
+    # Signs every command, checks every worker event (proto/frame_auth.py); handed over by the
+    # process that built the spec, never read from the YAML or logged (its repr is hidden).
+    cluster_secret: ClusterSecret = field(repr=False)
     router: RouterConfig = field(default_factory=RouterConfig)  # the YAML's router section, as is
     kv_timeout_s: float = 30.0  # kv_transfer.timeout_s: a prefill's KV transfer deadline
     lease_s: float = 30.0  # kv_transfer.reservation_lease_s: how long decode pages stay reserved

@@ -1,7 +1,8 @@
 """The router's view of its workers: a command socket to each, their heartbeats, and the
 dispatch of worker events to the request they belong to.
 
-One PULL socket (bound on router.worker_event_port) takes every worker's events; Load
+One PULL socket (bound on router.worker_event_port) takes every worker's events, each signed
+under the cluster's secret (proto/frame_auth.py: one that is not is dropped and counted); Load
 heartbeats update health and policy inputs, everything else goes to the waiting request's
 queue by the router's internal request id (router/request_ids.py; events for requests that
 already ended are dropped).
@@ -24,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from proto import worker_messages as wm
+from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifier
 from router.policy import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class _Worker:
 
     endpoint: WorkerEndpoint
     commands: zmq.asyncio.Socket  # PUSH to the worker's command socket
+    signer: FrameSigner  # this socket's own: the worker sees its counters in order
     draining: bool = False  # no new requests; the ones it holds go on
     requests: set[str] = field(default_factory=set)  # ids of request attempts it takes part in
     load: wm.Load | None = None  # the last heartbeat
@@ -50,10 +53,13 @@ class _Worker:
 
 
 class WorkerPool:
-    def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, heartbeat_timeout_s: float = 3.0,
-                 on_reject: Callable[[str], None] = lambda reason: None) -> None:
-        """`on_reject(reason)`: a dropped event was counted (the router's metrics)."""
+    def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, secret: ClusterSecret,
+                 heartbeat_timeout_s: float = 3.0, on_reject: Callable[[str], None] = lambda reason: None) -> None:
+        """`secret`: the cluster's, signing every command and checking every event;
+        `on_reject(reason)`: a dropped event was counted (the router's metrics)."""
         self._ctx = zmq.asyncio.Context.instance()
+        self._secret = secret
+        self._verifier = FrameVerifier(secret, event_address)
         self.rejected: dict[str, int] = {}  # dropped events by reason
         self.on_reject = on_reject
         self._workers: dict[str, _Worker] = {}
@@ -92,7 +98,7 @@ class WorkerPool:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{endpoint.command_address}")
-        self._workers[endpoint.worker_id] = _Worker(endpoint, sock)
+        self._workers[endpoint.worker_id] = _Worker(endpoint, sock, FrameSigner(self._secret, "router"))
 
     def drain(self, worker_id: str) -> None:
         """No new requests for `worker_id`; the ones it holds go on."""
@@ -161,7 +167,7 @@ class WorkerPool:
         worker = self._workers.get(worker_id)
         if worker is None:
             raise LookupError(f"worker {worker_id} has left the pool")
-        await worker.commands.send(wm.encode(message))
+        await worker.commands.send_multipart(worker.signer.wrap(worker.endpoint.command_address, wm.encode(message)))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -173,11 +179,17 @@ class WorkerPool:
 
     async def _pump_events(self) -> None:
         """Every worker event to where it belongs. One bad event is dropped and counted; nothing
-        a peer sends ends this task (which would leave every worker looking dead)."""
+        a peer sends ends this task (which would leave every worker looking dead). An event that
+        is not signed under the cluster's secret is not even parsed."""
         while True:
-            data = await self._events.recv()
+            message = await self._events.recv_multipart()
             try:
-                self._dispatch(wm.decode(data))
+                _, parts = self._verifier.verify(message)
+                if len(parts) != 1:
+                    raise ValueError(f"an event is one part after its signature, not {len(parts)}")
+                self._dispatch(wm.decode(bytes(parts[0])))
+            except AuthError as exc:
+                self._reject(exc.reason, exc)
             except ValueError as exc:
                 self._reject("malformed", exc)
             except Exception as exc:  # noqa: BLE001 - the pump outlives any one event

@@ -21,6 +21,7 @@ from configs import ClusterConfig, EngineConfig
 from engine.metrics.peak import Peak
 from loadgen.credentials import ClientAuth
 from proto import pdserve_pb2_grpc
+from proto.frame_auth import ClusterSecret
 from router.server import Router
 from router.worker_pool import WorkerEndpoint
 from tests.fault_injection import crash_tap
@@ -81,10 +82,11 @@ class LocalCluster:
                        **router},
             "kv_transfer": {"timeout_s": kv_timeout_s, "reservation_lease_s": lease_s, "checksum": True},
         })
+        self.secret = ClusterSecret.generate()  # as `pdserve up` makes one: every internal message is signed
         self.hosts = []
         for role in roles:
             for i in range(num_workers):
-                spec = worker_spec(self.config, role, i, "127.0.0.1", "127.0.0.1")
+                spec = worker_spec(self.config, role, i, "127.0.0.1", "127.0.0.1", self.secret)
                 spec = replace(spec, command_port=free_port(), kv_port=free_port() if spec.kv_port else None,
                                metrics_port=free_port() if spec.metrics_port else None)
                 when = (crash_when or {}).get(spec.worker_id)
@@ -98,7 +100,7 @@ class LocalCluster:
         for h in self.hosts:
             h.start()
         endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]
-        self.router = Router(router_spec(self.config, str(model_dir), endpoints, "127.0.0.1"))
+        self.router = Router(router_spec(self.config, str(model_dir), endpoints, "127.0.0.1", self.secret))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()

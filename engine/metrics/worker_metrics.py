@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 from engine.engine import LLMEngine
 from engine.kv_transfer import TransferRecord, TransferState
 from engine.metrics.peak import Peak
+from engine.metrics.rejected import Counts, RejectedCollector
 from engine.metrics.roofline import ModelCost
 from engine.metrics.step_stats import StepStats
 
@@ -108,13 +109,15 @@ class _EngineState(Collector):
 
 class WorkerMetrics:
     def __init__(self, engine: LLMEngine, worker_id: str, role: str, peak: Peak, window_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, rejected: Callable[[], Counts] = dict) -> None:
+        """`rejected`: the worker's dropped internal messages now (engine/metrics/rejected.py)."""
         dtype = next(engine.model.parameters()).dtype
         self.cost = ModelCost.of(engine.model_config, engine.weight_bytes(), torch.finfo(dtype).bits // 8)
         self.peak = peak
         self.registry = r = CollectorRegistry()
         values = [worker_id, role]
         r.register(_EngineState(engine, values))
+        r.register(RejectedCollector(rejected, values))
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
             m = Counter(f"pdserve_worker_{name}", doc, LABELS + extra, registry=r)

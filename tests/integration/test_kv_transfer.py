@@ -13,6 +13,7 @@ from engine import LLMEngine, SamplingParams
 from engine.kv_transfer import KVReceiver, KVSender, TransferState, TransportError, poll
 from engine.kv_transfer.inproc import InProcChannel
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
+from proto.frame_auth import ClusterSecret
 from tests.helpers import assert_no_page_leak, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -25,8 +26,9 @@ def link(request):
         channel = InProcChannel()
         yield channel.sender, channel.receiver, channel
         return
-    receiver = ZmqFrameReceiver("127.0.0.1", 0)
-    sender = ZmqFrameSender(receiver.address, send_timeout_s=2.0)
+    secret = ClusterSecret.generate()
+    receiver = ZmqFrameReceiver("127.0.0.1", 0, secret)
+    sender = ZmqFrameSender(receiver.address, secret, send_timeout_s=2.0)
     yield sender, receiver, None
     sender.close()
     receiver.close()
@@ -151,7 +153,7 @@ def test_zmq_send_without_a_receiver_fails_fast():
     with socket.socket() as probe:  # a loopback port nobody listens on
         probe.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{probe.getsockname()[1]}"
-    frames = ZmqFrameSender(address, send_timeout_s=0.2)
+    frames = ZmqFrameSender(address, ClusterSecret.generate(), send_timeout_s=0.2)
     sender = KVSender(frames)
     sender.begin("r", timeout_s=5)
     import torch

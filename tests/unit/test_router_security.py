@@ -18,6 +18,7 @@ from cluster.launcher import metrics_targets
 from configs import ClusterConfig, ConfigError, load_cluster_config
 from configs.cluster import RouterConfig
 from loadgen.credentials import ClientAuth
+from proto.frame_auth import ClusterSecret
 from router.security import ApiKey, FrontDoorSecurity, load_api_key, read_api_key
 from router.spec import RouterSpec
 from tests.tls_certs import self_signed
@@ -108,9 +109,10 @@ def test_relative_tls_paths_become_absolute(tmp_path, monkeypatch):
 
 def test_a_spec_never_drops_a_configured_key_or_certificate():
     with pytest.raises(ValueError, match="asks for an API key but the spec carries none"):
-        RouterSpec("m", "m", "colocated", (), "127.0.0.1:1", router=RouterConfig(api_key_env="K"))
+        RouterSpec("m", "m", "colocated", (), "127.0.0.1:1", ClusterSecret.generate(), router=RouterConfig(api_key_env="K"))
     with pytest.raises(ValueError, match="asks for TLS but the spec carries no certificate"):
-        RouterSpec("m", "m", "colocated", (), "127.0.0.1:1", router=RouterConfig(tls_cert_file="c", tls_key_file="k"))
+        RouterSpec("m", "m", "colocated", (), "127.0.0.1:1", ClusterSecret.generate(),
+                   router=RouterConfig(tls_cert_file="c", tls_key_file="k"))
 
 
 def flags(*argv: str) -> argparse.Namespace:

@@ -10,10 +10,12 @@ from cluster.specs import WorkerSpec, kv_destinations, model_cache_dir, router_s
 from configs import ClusterConfig, EngineConfig
 from engine.model.loader import resolve_model_path
 from proto import pdserve_pb2 as pb
+from proto.frame_auth import ClusterSecret
 from router.journey_state import RouterError
 from router.server import Router
 from router.validation import validate
 
+SECRET = ClusterSecret.generate()
 
 def cluster(prefill_engine: dict | None = None, decode_engine: dict | None = None, **extra) -> ClusterConfig:
     return ClusterConfig.model_validate({
@@ -27,7 +29,7 @@ def cluster(prefill_engine: dict | None = None, decode_engine: dict | None = Non
 
 def test_the_engines_max_model_len_reaches_the_router(tiny_dir):
     config = cluster({"max_model_len": 128}, {"max_model_len": 64})
-    spec = router_spec(config, str(tiny_dir), [], "127.0.0.1")
+    spec = router_spec(config, str(tiny_dir), [], "127.0.0.1", SECRET)
     assert spec.max_model_len == 64  # the smallest engine limit: a longer prompt fits no decode worker
     router = Router(spec)
     assert router.max_model_len == 64
@@ -37,7 +39,7 @@ def test_the_engines_max_model_len_reaches_the_router(tiny_dir):
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "context is 64 tokens" in str(err.value)
     fits = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 60)), router.tokenizer, 64, 60.0)
     assert fits.sampling.max_tokens == 4  # clipped to what the context leaves
-    assert Router(router_spec(cluster(), str(tiny_dir), [], "127.0.0.1")).max_model_len == 2048  # the model's
+    assert Router(router_spec(cluster(), str(tiny_dir), [], "127.0.0.1", SECRET)).max_model_len == 2048  # the model's
 
 
 def test_the_engines_cache_dir_is_where_the_router_finds_the_model(tmp_path):
@@ -51,28 +53,28 @@ def test_the_engines_cache_dir_is_where_the_router_finds_the_model(tmp_path):
 def test_router_spec_carries_the_yaml_router_section_and_kv_deadlines(tiny_dir):
     config = cluster(router={"slo_ttft_ms": 250.0, "max_attempts": 5, "worker_event_port": 53000},
                      kv_transfer={"timeout_s": 7.0, "reservation_lease_s": 9.0})
-    spec = router_spec(config, str(tiny_dir), [], "10.0.0.5")
+    spec = router_spec(config, str(tiny_dir), [], "10.0.0.5", SECRET)
     assert (spec.router.slo_ttft_ms, spec.router.max_attempts) == (250.0, 5)
     assert (spec.kv_timeout_s, spec.lease_s, spec.event_address) == (7.0, 9.0, "10.0.0.5:53000")
     assert spec.mode == "disaggregated" and spec.model_name == "builtin:tiny"
-    decode = worker_spec(config, "decode", 0, "127.0.0.1", "127.0.0.1")
+    decode = worker_spec(config, "decode", 0, "127.0.0.1", "127.0.0.1", SECRET)
     assert (decode.max_lease_s, decode.max_transfer_s) == (9.0, 7.0)  # what a ReserveKV / Prefill is cut to
 
 
 def test_worker_specs_take_their_index_ports_and_the_pool_engine():
     config = cluster({"page_size": 8}, {"page_size": 8, "max_num_seqs": 4})
-    prefill = worker_spec(config, "prefill", 1, "127.0.0.1", "127.0.0.1")
+    prefill = worker_spec(config, "prefill", 1, "127.0.0.1", "127.0.0.1", SECRET)
     assert (prefill.worker_id, prefill.command_port, prefill.kv_port, prefill.metrics_port) == ("prefill-1", 52101,
                                                                                                None, None)
     assert prefill.engine == EngineConfig(model="builtin:tiny", page_size=8)
-    decode = worker_spec(config, "decode", 0, "127.0.0.1", "127.0.0.1")
+    decode = worker_spec(config, "decode", 0, "127.0.0.1", "127.0.0.1", SECRET)
     assert (decode.kv_port, decode.metrics_port, decode.peak_tflops) == (52400, 52600, 1.5)
     assert decode.engine.max_num_seqs == 4 and decode.router_event_address == "127.0.0.1:52000"
 
 
 def test_torch_dist_workers_get_their_rank_in_the_kv_group():
     config = cluster(kv_transfer={"transport": "torch_dist", "dist_port": 52500})
-    ranks = [worker_spec(config, role, i, "127.0.0.1", "10.0.0.5") for role, i in
+    ranks = [worker_spec(config, role, i, "127.0.0.1", "10.0.0.5", SECRET) for role, i in
              (("prefill", 0), ("prefill", 1), ("decode", 0))]
     assert [(s.dist_rank, s.dist_world_size) for s in ranks] == [(0, 3), (1, 3), (2, 3)]
     assert {s.dist_store_address for s in ranks} == {"10.0.0.5:52500"}
@@ -88,18 +90,18 @@ def test_the_kv_destinations_are_the_decode_workers_kv_addresses_as_bound():
     from engine.kv_transfer.zmq_transport import ZmqFrameReceiver
 
     config = cluster()
-    specs = [worker_spec(config, role, i, "node", "127.0.0.1") for role, i in
+    specs = [worker_spec(config, role, i, "node", "127.0.0.1", SECRET) for role, i in
              (("prefill", 0), ("prefill", 1), ("decode", 0))]
     bound = [replace(s, host="10.0.0.7") for s in specs]  # what WorkerActor.ready() reports
     assert [s.kv_address for s in bound] == [None, None, "10.0.0.7:52400"]
     assert kv_destinations(bound) == ("10.0.0.7:52400",)
-    receiver = ZmqFrameReceiver("127.0.0.1", 0)
+    receiver = ZmqFrameReceiver("127.0.0.1", 0, SECRET)
     try:
         assert replace(bound[2], host="127.0.0.1", kv_port=receiver.port).kv_address == receiver.address
     finally:
         receiver.close()
     dist = cluster(kv_transfer={"transport": "torch_dist", "dist_port": 52500})
-    ranks = [worker_spec(dist, role, i, "127.0.0.1", "127.0.0.1") for role, i in
+    ranks = [worker_spec(dist, role, i, "127.0.0.1", "127.0.0.1", SECRET) for role, i in
              (("prefill", 0), ("prefill", 1), ("decode", 0))]
     assert kv_destinations(ranks) == (address_of(2),)
 
@@ -112,7 +114,7 @@ def test_the_kv_destinations_are_the_decode_workers_kv_addresses_as_bound():
 ])
 def test_a_worker_spec_that_cannot_run_is_refused(fields, message):
     base = {"role": "prefill", "worker_id": "prefill-0", "engine": EngineConfig(), "host": "127.0.0.1",
-            "command_port": 1, "router_event_address": "127.0.0.1:2"}
+            "command_port": 1, "router_event_address": "127.0.0.1:2", "cluster_secret": SECRET}
     with pytest.raises(ValueError, match=message):
         WorkerSpec(**(base | fields))
 
@@ -128,4 +130,4 @@ def test_internal_sockets_never_bind_the_public_wildcard(tiny_dir, router, ray_a
 
     config = cluster(router=router, ray={"address": ray_address})
     assert worker_host(config) == internal
-    assert router_spec(config, str(tiny_dir), [], worker_host(config)).event_address == f"{internal}:52000"
+    assert router_spec(config, str(tiny_dir), [], worker_host(config), SECRET).event_address == f"{internal}:52000"
