@@ -10,19 +10,25 @@ Prefill naming a KV destination that is no decode worker of the cluster."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import random
 import time
+import urllib.request
 
 import msgpack
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.control import ControlServer, control_request
 from configs import EngineConfig
+from engine.metrics.peak import Peak
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
+from proto.frame_auth import ClusterSecret, FrameSigner, FrameVerifier
 from tests.helpers import hf_greedy
-from tests.local_cluster import LocalCluster
+from tests.local_cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -93,43 +99,163 @@ def kv_frame(rng: random.Random) -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir):
-    c = LocalCluster(tiny_dir, "disaggregated", ENGINE)
+    c = LocalCluster(tiny_dir, "disaggregated", ENGINE, metrics_peak=Peak.configured(10_000, 1_000))
     yield c
     c.close()
 
 
 def push(address: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.LINGER, 5000)  # closed at once after sending: what was sent still goes out
     sock.setsockopt(zmq.SNDTIMEO, 5000)  # a socket whose loop died stops taking messages: zmq.Again
     sock.connect(f"tcp://{address}")
     return sock
 
 
-def test_every_internal_socket_survives_fuzzing(cluster, hf_tiny):
+class Attacker:
+    """Wraps each fuzzed message one way, seeded, and keeps the tally of what each way must be
+    counted as: signed with the cluster's secret (an insider's bad message: it must reach, and
+    fail, the schema check), or not signed, signed with another secret, altered after signing,
+    signed for another socket ("unauthenticated"), or a signed message sent again ("replayed")."""
+
+    def __init__(self, rng: random.Random, secret: ClusterSecret, audience: str, signed_parts: int | None = None):
+        """`signed_parts`: how many parts the signature covers (KV frames: the header alone)."""
+        self.rng, self.audience, self.signed_parts = rng, audience, signed_parts
+        self.signer = FrameSigner(secret, "fuzz")
+        self.outsider = FrameSigner(ClusterSecret("not-this-clusters-secret"), "fuzz")
+        self.sent: list[list[bytes]] = []  # signed messages, to replay
+        self.expected: collections.Counter[str] = collections.Counter()
+
+    def _sign(self, signer: FrameSigner, audience: str, parts: list[bytes]) -> list[bytes]:
+        return [signer.sign(audience, parts[: self.signed_parts]), *parts]
+
+    def wrap(self, parts: list[bytes]) -> list[bytes]:
+        kind = self.rng.random()
+        if kind < 0.5 or not self.sent:
+            message = self._sign(self.signer, self.audience, parts)
+            self.sent.append(message)
+            return message
+        if kind < 0.6:
+            self.expected["replayed"] += 1
+            return self.rng.choice(self.sent)
+        self.expected["unauthenticated"] += 1
+        if kind < 0.7:
+            return parts  # no signature at all
+        if kind < 0.8:
+            return self._sign(self.outsider, self.audience, parts)
+        if kind < 0.9:
+            message = self._sign(self.signer, self.audience, parts)
+            message[1] = message[1][:-1] + bytes([message[1][-1] ^ 1]) if message[1] else b"x"  # altered
+            return message
+        return self._sign(self.signer, "127.0.0.1:1", parts)  # recorded on another socket
+
+
+def wait_for(check, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def counted(host, wanted: dict, timeout_s: float = 15.0) -> dict:
+    """The host's rejected-message counts once each of `wanted` is reached (its loops take a
+    moment to drain what was sent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        counts = host.rejected_messages()
+        if all(counts.get(k, 0) >= n for k, n in wanted.items()) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
+
+
+def test_every_internal_socket_survives_fuzzing_and_counts_what_it_refuses(cluster, hf_tiny):
     rng = random.Random(1234)
     decode = next(h for h in cluster.hosts if h.role == "decode")
-    targets = {"router events": cluster.router.event_address}
-    targets |= {f"{h.worker_id} commands": h.command_address for h in cluster.hosts}
+    targets = {"router": cluster.router.event_address}
+    targets |= {h.worker_id: h.command_address for h in cluster.hosts}
+    attackers = {name: Attacker(rng, cluster.secret, address) for name, address in targets.items()}
+    kv_address = f"127.0.0.1:{decode.spec.kv_port}"
+    kv_attacker = Attacker(rng, cluster.secret, kv_address, signed_parts=1)  # checksum on: the header is signed
     sockets = {name: push(address) for name, address in targets.items()}
-    kv = push(f"127.0.0.1:{decode.spec.kv_port}")
+    kv = push(kv_address)
     try:
         for _ in range(NUM_PER_SOCKET):
-            for sock in sockets.values():
-                sock.send(mutated(rng))
-            kv.send_multipart(kv_frame(rng))
-        time.sleep(2.0)  # let every loop take it all in
+            for name, sock in sockets.items():
+                sock.send_multipart(attackers[name].wrap([mutated(rng)]))
+            kv.send_multipart(kv_attacker.wrap(kv_frame(rng)))
     finally:
         for sock in [*sockets.values(), kv]:
             sock.close()
+    # Exactly what was sent without the secret (or replayed) is counted as such, on every socket.
+    pool = cluster.router.pool
+    wait_for(lambda: all(pool.rejected.get(r, 0) >= n for r, n in attackers["router"].expected.items()))
+    for host in cluster.hosts:
+        wanted = {("commands", r): n for r, n in attackers[host.worker_id].expected.items()}
+        if host is decode:
+            wanted |= {("kv", r): n for r, n in kv_attacker.expected.items()}
+        counts = counted(host, wanted)
+        assert {k: counts[k] for k in wanted} == wanted, host.worker_id
+        assert counts["commands", "malformed"] > NUM_PER_SOCKET // 4  # the insider's messages met the schema
+    assert {r: pool.rejected[r] for r in ("unauthenticated", "replayed")} == dict(attackers["router"].expected)
+    assert pool.rejected["malformed"] > NUM_PER_SOCKET // 4
+    assert decode.rejected_messages()["kv", "malformed"] > 0
+    # The worker's /metrics shows the same counts, under the router's metric name.
+    text = urllib.request.urlopen(f"http://{cluster.metrics_address('decode-0')}/metrics", timeout=10).read().decode()
+    samples = {(s.labels["socket"], s.labels["reason"]): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "pdserve_rejected_messages_total"}
+    assert samples[("kv", "unauthenticated")] == kv_attacker.expected["unauthenticated"]
+    assert samples[("commands", "replayed")] == attackers["decode-0"].expected["replayed"]
     assert all(h.alive() and not h.crashed for h in cluster.hosts), [h.state() for h in cluster.hosts]
     assert cluster.router.pool.all_healthy(["prefill", "decode"])
-    assert sum(cluster.router.pool.rejected.values()) >= NUM_PER_SOCKET // 2  # dropped and counted
     prompt = [0] + list(range(300, 340))
     req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=12,
                                                                                            ignore_eos=True))
     out = cluster.stub.GenerateUnary(req, timeout=60)
     assert list(out.token_ids) == hf_greedy(hf_tiny, prompt, 12)[0]
+    cluster.wait_pages_free()
+
+
+def test_well_formed_messages_without_the_secret_get_nothing_done(cluster, hf_tiny):
+    """A valid Abort for a live request (to both workers), a valid Tokens event ending it (to the
+    router) and a valid KV done frame for it, each sent unsigned, signed with another cluster's
+    secret, or altered after signing: the request still ends as HF greedy, and each is counted,
+    not acted on."""
+    prefill, decode = (next(h for h in cluster.hosts if h.role == role) for role in ("prefill", "decode"))
+    outsider = FrameSigner(ClusterSecret("another-clusters-secret"), "router")
+    before = {h.worker_id: h.rejected_messages() for h in cluster.hosts}
+    router_before = dict(cluster.router.pool.rejected)
+    prompt = [0] + list(range(400, 440))
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), request_id="forged-events",
+                             sampling=pb.SamplingParams(max_tokens=64, ignore_eos=True))
+    stream = cluster.stub.Generate(req, timeout=60)
+    first = next(stream)  # the request is live on both workers now
+    rid = on_router_loop(cluster, lambda: cluster.router.live_ids.internal_id("forged-events"))
+    assert rid is not None
+    sends = {
+        prefill.command_address: wm.encode(wm.Abort(rid)),
+        decode.command_address: wm.encode(wm.Abort(rid)),
+        cluster.router.event_address: wm.encode(wm.Tokens(rid, "decode-0", (1, 2, 3), (), True, "stop")),
+    }
+    for address, data in sends.items():
+        sock = push(address)
+        signed = FrameSigner(cluster.secret, "router").wrap(address, data)
+        for message in ([data], outsider.wrap(address, data), signed[:1] + [data + b"\0"]):
+            sock.send_multipart(message)
+        sock.close()
+    kv = push(f"127.0.0.1:{decode.spec.kv_port}")
+    kv.send_multipart([outsider.sign(decode.spec.kv_address, [b"h"]), msgpack.packb({"kind": "done",
+                                                                                     "request_id": rid})])
+    kv.close()
+    tokens = list(first.token_ids) + [t for r in stream for t in r.token_ids]
+    assert tokens == hf_greedy(hf_tiny, prompt, 64)[0]
+    wait_for(lambda: cluster.router.pool.rejected.get("unauthenticated", 0) == router_before.get(
+        "unauthenticated", 0) + 3)
+    for host, extra in ((prefill, {("commands", "unauthenticated"): 3}),
+                        (decode, {("commands", "unauthenticated"): 3, ("kv", "unauthenticated"): 1})):
+        wanted = {k: before[host.worker_id].get(k, 0) + n for k, n in extra.items()}
+        counts = counted(host, wanted)
+        assert {k: counts[k] for k in wanted} == wanted, host.worker_id
     cluster.wait_pages_free()
 
 
@@ -159,7 +285,8 @@ def test_a_forged_prefill_pushes_no_kv_to_the_address_it_names(cluster, hf_tiny)
     try:
         forged = wm.Prefill(rid, tuple(prompt), wm.Sampling(max_tokens=4, ignore_eos=True),
                             wm.KVDestination(f"127.0.0.1:{port}", 6, 0, 5.0, "token"))
-        sock.send(wm.encode(forged))
+        # Signed with the cluster's secret: a buggy or compromised insider, not an outsider.
+        sock.send_multipart(FrameSigner(cluster.secret, "router").wrap(prefill.command_address, wm.encode(forged)))
         failed = on_router_loop(cluster, lambda: asyncio.wait_for(events.get(), 10))
         assert isinstance(failed, wm.Failed) and failed.worker_id == prefill.worker_id and failed.stage == "prefill"
         assert f"KV destination '127.0.0.1:{port}' is not a known decode endpoint" in failed.reason
@@ -175,3 +302,50 @@ def test_a_forged_prefill_pushes_no_kv_to_the_address_it_names(cluster, hf_tiny)
     out = cluster.stub.GenerateUnary(req, timeout=60)
     assert list(out.token_ids) == hf_greedy(hf_tiny, prompt, 12)[0]
     cluster.wait_pages_free()
+
+
+class _Pools:
+    """What the control server serves, reduced to a record of what it was asked to do."""
+
+    def __init__(self) -> None:
+        self.scaled: list[tuple] = []
+
+    def status(self) -> dict:
+        return {"mode": "test"}
+
+    def scale(self, role: str, size: int, drain_s: float) -> dict:
+        self.scaled.append((role, size))
+        return {"role": role, "size": size}
+
+
+def test_the_control_socket_does_only_what_its_cluster_signs():
+    """`pdserve scale` / `status` of this cluster work; the same requests unsigned, with another
+    secret, replayed, or random bytes, scale nothing, are answered with a refusal signed by the
+    cluster (so a client with the wrong secret refuses it too) and counted."""
+    secret, rng = ClusterSecret.generate(), random.Random(7)
+    address = f"127.0.0.1:{free_port()}"
+    pools = _Pools()
+    server = ControlServer(pools, address, secret)  # type: ignore[arg-type]
+    server.start()
+    scale = msgpack.packb({"op": "scale", "sizes": {"decode": 2}}, use_bin_type=True)
+    try:
+        assert control_request(address, {"op": "status"}, 5, secret)["status"]["mode"] == "test"
+        with pytest.raises(PermissionError, match="not from this cluster"):
+            control_request(address, {"op": "scale", "sizes": {"decode": 3}}, 5, ClusterSecret("x" * 32))
+        signed = FrameSigner(secret, "cli").wrap(address, scale)
+        messages = [signed, signed, [scale], FrameSigner(secret, "cli").wrap("127.0.0.1:1", scale)]
+        messages += [[rng.randbytes(rng.randrange(1, 80)) for _ in range(rng.randrange(1, 3))] for _ in range(200)]
+        for message in messages:
+            sock = zmq.Context.instance().socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{address}")
+            sock.send_multipart(message)
+            assert sock.poll(5000)
+            reply = sock.recv_multipart()
+            sock.close()
+            FrameVerifier(secret, address + "#reply").verify(reply)  # every answer is the cluster's
+        assert pools.scaled == [("decode", 2)]  # the one signed request, once
+        status = control_request(address, {"op": "status"}, 5, secret)["status"]
+    finally:
+        server.close()
+    assert status["control_rejected"] == {"unauthenticated": 1 + 1 + 1 + 200, "replayed": 1}
