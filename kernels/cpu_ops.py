@@ -121,6 +121,12 @@ def packed_gemv_supported() -> bool:
     return _require().packed_gemv_supported()
 
 
+def amx_attention_supported() -> bool:
+    """Whether `paged_attention` multiplies bf16 prefill tiles on AMX (kernels/cpu/prefill_tile_amx.h):
+    built for a CPU with AMX, and Linux granted this process the tile registers."""
+    return _require().amx_attention_supported()
+
+
 def packed_gemv(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                 block_n: int = 32, block_k: int = 32) -> torch.Tensor:
     """x [M <= 8, K] bf16 times a weight [n, K] held in oneDNN's blocked bf16 layout (`blocked`: a

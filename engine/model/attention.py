@@ -6,15 +6,15 @@ batch in one call that reads pages in place; the CPU serving path), `torch` (ker
 the oracle, and the CPU fallback where no compiler is at hand) or `triton` (the kernels/ Triton
 kernels, the GPU path). All take identical arguments.
 
-One exception to "one call" on CPU: in bfloat16 on a CPU with AMX, prefill chunks go to
-torch's flash SDPA (kernels/reference.py), whose matrix products run on the AMX tiles; the
-compiled kernel's vector code keeps the decodes. Measured on a 2-core Sapphire Rapids, bf16,
-12 query / 4 KV heads of 64: a 512-token prompt 1.2 vs 3.8 ms a layer, 128 tokens over 1,024
-cached 1.1 (with the page gather) vs 3.6 ms; in float32, or without AMX (AVX512-BF16 on Zen 4:
-4.5 vs 10.5 ms the other way round), the compiled kernel is as fast or faster. Since then the
-compiled kernel multiplies bf16 prefill tiles as small matrix products on AVX512-BF16
-(kernels/cpu/prefill_tile_bf16.h): 1.4-1.5 ms for the 512-token prompt on 2 Zen 5 cores, where
-SDPA took 7; AMX machines have not been measured against it yet, so they keep SDPA.
+The compiled kernel multiplies bf16 prefill tiles as small matrix products: on AMX tiles where
+the CPU has them (kernels/cpu/prefill_tile_amx.h), else with AVX512-BF16
+(kernels/cpu/prefill_tile_bf16.h; 1.4-1.5 ms for a 512-token prompt a layer on 2 Zen 5 cores,
+where SDPA took 7). On AMX, against torch's flash SDPA (whose products also run on AMX tiles),
+bf16, 12 query / 4 KV heads of 64, 2 cores, a layer: a 512-token prompt 0.90 vs 1.34 ms, 128
+tokens over 1,152 cached 0.82 vs 1.33 (with SDPA's page gather), 2,048 tokens 11.0 vs 13.3.
+One exception to "one call" remains: an AMX CPU whose build or OS refuses the tiles sends bf16
+prefill chunks to SDPA (kernels/reference.py), which still reaches AMX through oneDNN; the
+compiled kernel keeps the decodes.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class AttentionBackend:
         self.sdpa_prefill_dtypes: tuple[torch.dtype, ...] = ()
         if name == "torch":
             self.sdpa_prefill_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-        elif name == "cpu" and torch.cpu._is_amx_tile_supported():
+        elif name == "cpu" and torch.cpu._is_amx_tile_supported() and not cpu_ops.amx_attention_supported():
             self.sdpa_prefill_dtypes = (torch.bfloat16,)
 
 

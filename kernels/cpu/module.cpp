@@ -12,6 +12,7 @@ void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight
 void rotary_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 bool packed_gemv_supported();
+bool amx_attention_supported();
 torch::Tensor packed_gemv(torch::Tensor x, torch::Tensor blocked, int64_t n, c10::optional<torch::Tensor> bias,
                           int64_t block_n, int64_t block_k);
 
@@ -23,5 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate the first num_rotated_heads heads of each qkv row by its position, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] row");
   m.def("packed_gemv_supported", &packed_gemv_supported, "whether packed_gemv was built (AVX512-BF16)");
+  m.def("amx_attention_supported", &amx_attention_supported, "whether bf16 prefill tiles run on AMX (built with AMX, and the OS grants it)");
   m.def("packed_gemv", &packed_gemv, "x W^T (+ b) for 1-8 bf16 rows, W read in oneDNN's bf16 block layout (block_n outputs x block_k inputs)");
 }

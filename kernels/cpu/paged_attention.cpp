@@ -27,6 +27,7 @@
 
 #include "vec.h"
 #include "prefill_tile_bf16.h"
+#include "prefill_tile_amx.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -405,6 +406,37 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
   }
 }
 
+#if PDSERVE_TILE_AMX
+// The keys of every sequence with a prefill tile (kMinTileQueries or more queries), rearranged
+// for AMX once per KV head over its whole context (prefill_tile_amx.h), in parallel;
+// `slot[seq]` indexes them (by slot * kv_heads + head). Empty where AMX cannot be used.
+template <int D>
+std::vector<pdserve::AmxKeys> amx_rearrange(const std::vector<Item>& items, const c10::BFloat16* kc,
+                                            const c10::BFloat16* vc, const int32_t* table, int64_t table_stride,
+                                            int64_t page_size, int64_t kv_heads, const int32_t* lens,
+                                            std::vector<int64_t>& slot) {
+  std::vector<int64_t> seqs;
+  for (const Item& item : items) {
+    if (item.q_end - item.q_begin < kMinTileQueries) continue;
+    if (item.seq >= static_cast<int64_t>(slot.size())) slot.resize(item.seq + 1, -1);
+    if (slot[item.seq] < 0) {
+      slot[item.seq] = static_cast<int64_t>(seqs.size());
+      seqs.push_back(item.seq);
+    }
+  }
+  if (seqs.empty() || !pdserve::amx_ready()) return {};
+  std::vector<pdserve::AmxKeys> keys(seqs.size() * kv_heads);
+  at::parallel_for(0, static_cast<int64_t>(keys.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t seq = seqs[i / kv_heads], h = i % kv_heads;
+      pdserve::rearrange_keys<D>(kc, vc, table + seq * table_stride, page_size, kv_heads * D, h * D, lens[seq],
+                                 pdserve::amx_key_blocks(lens[seq]), keys[i]);
+    }
+  });
+  return keys;
+}
+#endif
+
 // Threads pull items from one counter until none is left.
 template <typename scalar_t, int NV>
 void run_items(const std::vector<Item>& items, const at::Tensor& query, const at::Tensor& k_cache,
@@ -419,6 +451,15 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
   const int32_t* table = page_table.data_ptr<int32_t>();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
+#if PDSERVE_TILE_AMX
+  // On AMX, each prefill sequence's keys are rearranged once, by KV head, before the items run.
+  std::vector<int64_t> amx_slot;
+  std::vector<pdserve::AmxKeys> amx_keys;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (NV * 8) % 32 == 0)
+    amx_keys = amx_rearrange<NV * 8>(items, kc, vc, table, page_table.size(1), k_cache.size(1), kv_heads, lens,
+                                     amx_slot);
+  const bool amx = !amx_keys.empty();
+#endif
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<v8f> qf, acc;
     std::vector<float> scores;
@@ -427,6 +468,10 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
 #if PDSERVE_TILE_BF16
     pdserve::TileScratch tile_scratch;
 #endif
+#if PDSERVE_TILE_AMX
+    pdserve::AmxScratch amx_scratch;
+    if (amx) pdserve::configure_amx_tiles();
+#endif
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];
 #if PDSERVE_TILE_BF16
@@ -434,6 +479,16 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
         if (item.q_end - item.q_begin >= kMinTileQueries) {
           const int64_t q_len = starts[item.seq + 1] - starts[item.seq];
           const int64_t limit0 = lens[item.seq] - q_len + (item.q_begin - starts[item.seq]) + 1;
+#if PDSERVE_TILE_AMX
+          if (amx) {
+            for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h)
+              pdserve::attend_tile_amx<NV * 8>(q, query.stride(0), query.stride(1), item.q_begin,
+                                               item.q_end - item.q_begin, group, h, limit0,
+                                               amx_keys[amx_slot[item.seq] * kv_heads + h], kv_heads, o,
+                                               static_cast<float>(scale), amx_scratch);
+            continue;
+          }
+#endif
           for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h)
             pdserve::attend_tile_bf16<NV * 8>(q, query.stride(0), query.stride(1), item.q_begin,
                                               item.q_end - item.q_begin, group, h, limit0, kc, vc,
@@ -448,6 +503,9 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
                                   vc, table, page_table.size(1), starts, lens, o, group, k_cache.size(1), kv_heads,
                                   static_cast<float>(scale), qf, scores, acc, limits, page_f);
     }
+#if PDSERVE_TILE_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -530,6 +588,14 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
     }
   });
   return out;
+}
+
+bool amx_attention_supported() {
+#if PDSERVE_TILE_AMX
+  return pdserve::amx_ready();
+#else
+  return false;
+#endif
 }
 
 void store_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,

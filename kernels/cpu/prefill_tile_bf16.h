@@ -44,13 +44,11 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
-// scores[r][block b] = (q_r . k) * scale for R rows and blocks [0, num_blocks): per head-dim
+// scores[r][block b] = q_r . k (unscaled: softmax_row scales) for R rows and blocks [0, num_blocks): per head-dim
 // pair, one load of 16 keys' pair serves all R rows (each row's pair is a 32-bit broadcast).
 template <int D, int R>
-void score_rows(const uint32_t* const* q, const uint32_t* kt, int64_t num_blocks, float scale, float* scores,
-                int64_t row_len) {
+void score_rows(const uint32_t* const* q, const uint32_t* kt, int64_t num_blocks, float* scores, int64_t row_len) {
   constexpr int NP = D / 2;
-  const __m512 s = _mm512_set1_ps(scale);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint32_t* kb = kt + b * NP * kKeyBlock;
     __m512 acc[R];
@@ -59,7 +57,7 @@ void score_rows(const uint32_t* const* q, const uint32_t* kt, int64_t num_blocks
       const __m512i k = _mm512_loadu_si512(kb + i * kKeyBlock);
       for (int r = 0; r < R; ++r) acc[r] = dot_pairs(acc[r], _mm512_set1_epi32(static_cast<int>(q[r][i])), k);
     }
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * row_len + b * kKeyBlock, _mm512_mul_ps(acc[r], s));
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * row_len + b * kKeyBlock, acc[r]);
   }
 }
 
@@ -140,9 +138,10 @@ void rearrange_keys(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, 
   }
 }
 
-// Step 3 for one row: softmax weights of its `limit` visible scores as bf16 into `probs`, zeros
-// up to the row's end (`row_len`); returns 1 / their fp32 sum.
-inline float softmax_row(const float* scores, int64_t limit, int64_t row_len, uint16_t* probs) {
+// Step 3 for one row: softmax weights of its `limit` visible scores, each times `scale` (> 0:
+// the max of the raw scores is the max of the scaled ones), as bf16 into `probs`, zeros up to
+// the row's end (`row_len`); returns 1 / their fp32 sum.
+inline float softmax_row(const float* scores, int64_t limit, int64_t row_len, float scale, uint16_t* probs) {
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   auto visible = [&](int64_t t) -> __mmask16 {
     const int64_t n = limit - t;
@@ -151,10 +150,12 @@ inline float softmax_row(const float* scores, int64_t limit, int64_t row_len, ui
   __m512 mv = neg_inf;
   for (int64_t t = 0; t < limit; t += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(neg_inf, visible(t), scores + t));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  const __m512 sc = _mm512_set1_ps(scale);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < row_len; t += 16) {
     const __mmask16 mask = visible(t);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), m)));
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), m), sc);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(x));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -193,12 +194,12 @@ void attend_tile_bf16(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_he
                                                     (kv_head * group + r % group) * q_head_stride);
     }
     with_rows<kScoreRows>(n, [&](auto R) {
-      score_rows<D, decltype(R)::value>(q_rows, s.kt.data(), blocks_seen(r0 + n - 1), scale,
-                                        s.scores.data() + r0 * row_len, row_len);
+      score_rows<D, decltype(R)::value>(q_rows, s.kt.data(), blocks_seen(r0 + n - 1), s.scores.data() + r0 * row_len,
+                                        row_len);
     });
   }
   for (int64_t r = 0; r < rows; ++r)
-    s.inv_sum[r] = softmax_row(s.scores.data() + r * row_len, limit(r), row_len, s.probs.data() + r * row_len);
+    s.inv_sum[r] = softmax_row(s.scores.data() + r * row_len, limit(r), row_len, scale, s.probs.data() + r * row_len);
   for (int64_t r0 = 0; r0 < rows; r0 += kValueRows) {
     const int64_t n = std::min<int64_t>(kValueRows, rows - r0);
     c10::BFloat16* out_rows[kValueRows];

@@ -247,11 +247,14 @@ def test_decode_only_entry_matches_reference(dtype):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
-def test_cpu_backend_sends_prefill_to_sdpa_only_for_bf16_on_amx():
+def test_cpu_backend_sends_prefill_to_sdpa_only_where_amx_is_not_its_own():
+    """bf16 prefill chunks go to SDPA only on an AMX CPU whose compiled kernel cannot use the
+    tiles itself (kernels/cpu/prefill_tile_amx.h); everywhere else the whole step is one call."""
     from engine.model.attention import AttentionBackend
 
     backend = AttentionBackend("cpu")
-    assert backend.sdpa_prefill_dtypes == ((torch.bfloat16,) if torch.cpu._is_amx_tile_supported() else ())
+    amx_elsewhere = torch.cpu._is_amx_tile_supported() and not cpu_ops.amx_attention_supported()
+    assert backend.sdpa_prefill_dtypes == ((torch.bfloat16,) if amx_elsewhere else ())
     assert backend.paged_decode_attention is cpu_ops.paged_decode_attention
     assert backend.paged_prefill_attention is reference.paged_prefill_attention
 
