@@ -127,9 +127,14 @@ def amx_attention_supported() -> bool:
     return _require().amx_attention_supported()
 
 
+def packed_gemv_amx_supported() -> bool:
+    """Whether `packed_gemv` multiplies 2-32 rows over the 32 x 32 layout on AMX tiles."""
+    return _require().packed_gemv_amx_supported()
+
+
 def packed_gemv(x: torch.Tensor, blocked: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                 block_n: int = 32, block_k: int = 32) -> torch.Tensor:
-    """x [M <= 8, K] bf16 times a weight [n, K] held in oneDNN's blocked bf16 layout (`blocked`: a
+    """x [M <= 8, or <= 32 on AMX, K] bf16 times a weight [n, K] held in oneDNN's blocked bf16 layout (`blocked`: a
     flat bf16 view of its bytes; blocks of `block_n` outputs, tiles of `block_k` inputs, see
     kernels/cpu/packed_gemv.cpp; kernels/packed_linear.py finds which); returns [M, n] bf16."""
     return _require().packed_gemv(x, blocked, n, bias, block_n, block_k)

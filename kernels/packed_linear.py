@@ -49,12 +49,15 @@ def apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 # Up to how many rows `PackedGemv` (kernels/cpu/packed_gemv.cpp) multiplies instead of oneDNN,
-# by layout. AMX (32 x 32 tiles): at 1 row it streamed builtin:small's 12 layers of weights at
-# 32 GB/s against oneDNN's 27-28 (4.7 vs 5.5 ms, Sapphire Rapids, cold weights); at 2-8 rows it
-# was slower than oneDNN's AMX kernel (6.6-10 vs 5.3-6.1 ms), so batch 1 only. AVX512-BF16
-# without AMX (blocks of 64 outputs): faster than oneDNN at every row count it serves, 2.85 vs
-# 3.58 ms at 1 row, 3.0 vs 4.8 at 2, 3.2 vs 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5).
-GEMV_MAX_ROWS = {32: 1, 64: 8}  # block_n -> rows
+# by layout. AMX (32 x 32 tiles): on AMX tiles, 1-32 rows (`packed_gemv_amx_supported`);
+# builtin:small's 12 layers of weights, 2 Sapphire Rapids-class cores, the same run: 5.1-6.0 vs
+# oneDNN's 8.0-8.4 ms at 1-8 rows, 6.7 vs 8.7 at 16, 8.4 vs 10.2 at 32 (`AMX_GEMM_ROWS`). With
+# VDPBF16PS alone it served 1 row (4.7 vs 5.5 ms; slower than oneDNN from 2 rows), which is
+# what a build without AMX tiles keeps. AVX512-BF16 without AMX (blocks of 64 outputs): faster
+# than oneDNN at every row count it serves, 2.85 vs 3.58 ms at 1 row, 3.0 vs 4.8 at 2, 3.2 vs
+# 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5).
+GEMV_MAX_ROWS = {32: 1, 64: 8}  # block_n -> rows, without AMX tiles
+AMX_GEMM_ROWS = 32  # rows of the 32 x 32 layout multiplied on AMX tiles
 PROBE_ROWS = 3  # the layout probe multiplies a few rows whatever the threshold
 
 
@@ -68,12 +71,21 @@ class PackedGemv:
                  block_k: int = 32) -> None:
         self.packed, self.blocked, self.out_features = packed, blocked, out_features
         self.block_n, self.block_k = block_n, block_k
-        self.max_rows = GEMV_MAX_ROWS[block_n]  # engine/model/layers.py `linear` asks it for no more
+        self.max_rows = max_rows(block_n, block_k)  # engine/model/layers.py `linear` asks it for no more
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from kernels import cpu_ops
 
         return cpu_ops.packed_gemv(x, self.blocked, self.out_features, bias, self.block_n, self.block_k)
+
+
+def max_rows(block_n: int, block_k: int) -> int:
+    """The most activation rows the packed kernel takes over oneDNN for this layout here."""
+    from kernels import cpu_ops
+
+    if (block_n, block_k) == (32, 32) and cpu_ops.packed_gemv_amx_supported():
+        return AMX_GEMM_ROWS
+    return GEMV_MAX_ROWS[block_n]
 
 
 def layouts(k: int) -> tuple[tuple[int, int], ...]:

@@ -470,7 +470,7 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
 #endif
 #if PDSERVE_TILE_AMX
     pdserve::AmxScratch amx_scratch;
-    if (amx) pdserve::configure_amx_tiles();
+    if (amx) pdserve::configure_attention_tiles();
 #endif
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];

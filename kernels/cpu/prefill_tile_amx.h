@@ -12,18 +12,16 @@
 //   2. S = Q K^T and O = P V are TDPBF16PS on 16 x 16 fp32 tiles: 16 query rows x 32 head dims
 //      (or 32 keys) times 32 x 16, 16K FLOP an instruction, against VDPBF16PS's 64.
 // Rows beyond an item's last are zero-padded to whole tiles and never written out.
-// Measured on 2 Sapphire Rapids-class cores (bf16, 12 query / 4 KV heads of 64): see
-// paged_attention.cpp's comment at the dispatch.
+// Measured against torch's flash SDPA on 2 Sapphire Rapids-class cores: see
+// engine/model/attention.py.
 #pragma once
 
 #include "prefill_tile_bf16.h"
 
-#if PDSERVE_TILE_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PDSERVE_TILE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
+#if PDSERVE_TILE_BF16 && PDSERVE_AMX
+#define PDSERVE_TILE_AMX 1
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -31,29 +29,10 @@
 
 namespace pdserve {
 
-// Linux hands a process AMX's tile registers only once it asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); the first tile instruction before that is
-// SIGILL. Asked once; torch's oneDNN asks the same for its own AMX kernels.
-inline bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// Every tile 16 rows x 64 bytes (palette 1): per thread, before its first tile instruction.
-inline void configure_amx_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
+// Every tile 16 rows x 64 bytes, before the thread's first item.
+inline void configure_attention_tiles() {
+  const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+  configure_amx_tiles(rows);
 }
 
 constexpr int64_t kAmxRows = 16;  // query rows per tile

@@ -297,15 +297,16 @@ def test_packed_gemv_reads_onednns_layout_in_place(shape):
     gen = torch.Generator().manual_seed(shape[0])
     weight = torch.randn(shape, generator=gen).to(torch.bfloat16)
     _, gemv = _gemv_or_skip(weight)
-    for rows in range(1, 9):
+    # Every row count up to 8; on AMX tiles up to 32 as well: one A tile (<= 16 rows) or two.
+    for rows in sorted({*range(1, 9), 15, 16, 17, 31, gemv.max_rows}):
         x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
         for bias in (None, torch.randn(shape[0], generator=gen).to(torch.bfloat16)):
             want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
             got = gemv(x, bias)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    with pytest.raises(RuntimeError, match="serves 1 to 8 rows"):
-        gemv(torch.zeros(9, shape[1], dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match=f"serves 1 to {gemv.max_rows} rows"):
+        gemv(torch.zeros(gemv.max_rows + 1, shape[1], dtype=torch.bfloat16), None)
 
 
 def test_packed_gemv_is_refused_where_it_would_be_wrong():
@@ -321,8 +322,8 @@ def test_packed_gemv_is_refused_where_it_would_be_wrong():
 
 
 def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
-    """One row on AMX layouts, up to 8 where oneDNN packs for AVX512-BF16 alone
-    (kernels/packed_linear.py GEMV_MAX_ROWS); oneDNN multiplies the rest."""
+    """Up to 32 rows on AMX tiles, one row on the AMX layout without them, up to 8 where oneDNN
+    packs for AVX512-BF16 alone (kernels/packed_linear.py max_rows); oneDNN multiplies the rest."""
     from engine.model.layers import ColumnParallelLinear, ParallelContext, linear, pack_weight
     from kernels import packed_linear
 
@@ -332,7 +333,7 @@ def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
     plain = layer.weight.data.clone()
     assert pack_weight(layer) and layer.gemv is not None
     real = layer.gemv
-    assert real.max_rows == packed_linear.GEMV_MAX_ROWS[real.block_n] in (1, 8)
+    assert real.max_rows == packed_linear.max_rows(real.block_n, real.block_k) in (1, 8, packed_linear.AMX_GEMM_ROWS)
     calls = []
 
     class Spy:
@@ -343,9 +344,10 @@ def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
             return real(x, bias)
 
     layer.gemv = Spy()
-    for rows in (1, 2, 5, 8, 9):
+    row_counts = (1, 2, 5, 8, 9, 32, 33)
+    for rows in row_counts:
         x = torch.randn(rows, 64).to(torch.bfloat16)
         want = torch.nn.functional.linear(x.float(), plain.float())
         torch.testing.assert_close(layer(x).float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    assert calls == [r for r in (1, 2, 5, 8, 9) if r <= real.max_rows]
+    assert calls == [r for r in row_counts if r <= real.max_rows]
     assert linear(torch.randn(1, 64).to(torch.bfloat16), layer.weight, None, None, None).shape == (1, 128)
