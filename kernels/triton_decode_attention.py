@@ -8,27 +8,42 @@ sequence b lives in page `page_table[b, t // page_size]` at offset `t % page_siz
 One program per (sequence, kv head) handles every query head of that GQA group at once, so each
 key/value block is loaded once per group. It walks the context in BLOCK_N-token blocks with an
 online softmax (running max / running sum), so memory use does not grow with context length.
-That key-block loop (`attend_paged_context`) and the host-side argument checks are shared with
-the prefill kernel in `kernels.triton_paged_common`.
+That key-block loop (`attend_paged_range`) and the host-side argument checks are shared with
+the prefill kernel in `kernels.triton_paged_common`. Few sequences with long contexts would
+leave most of a GPU idle in that grid; for them `paged_decode_attention` takes the split-K path
+of `kernels.triton_decode_split` instead (`choose_num_splits` decides).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_decode_split import DEFAULT_NUM_SMS, choose_num_splits, split_decode_attention
 from kernels.triton_paged_common import (
-    attend_paged_context,
+    attend_paged_range,
     check_index_dtypes,
     check_page_table,
     check_query_and_cache,
     check_same_device,
+    load_group_query,
+    normalized_output,
 )
 
 _BLOCK_N = 32  # context tokens per inner-loop step (>= 16 for tl.dot)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device the kernel runs on (a default off CUDA, where
+    only the interpreter runs it)."""
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -52,23 +67,19 @@ def _decode_kernel(
     kv_head = tl.program_id(1).to(tl.int64)
     ctx_len = tl.load(context_lens_ptr + seq)
 
-    g = tl.arange(0, BLOCK_G)  # [BLOCK_G] query heads of this group (padded)
-    d = tl.arange(0, BLOCK_D)  # [BLOCK_D] (padded head_dim)
-    heads = kv_head * group_size + g
-    g_mask = g < group_size
-    d_mask = d < head_dim
-    q = tl.load(
-        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-    )  # [BLOCK_G, BLOCK_D]
+    q, heads, g_mask, d, d_mask = load_group_query(
+        q_ptr, seq, kv_head, group_size, head_dim, stride_qs, stride_qh, stride_qd,
+        BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D,
+    )  # q: [BLOCK_G, BLOCK_D]
 
-    out = attend_paged_context(
-        q, None, ctx_len, ctx_len, qk_scale,  # one query token: no causal mask needed
+    _, l_i, acc = attend_paged_range(
+        q, None, 0, ctx_len, ctx_len, qk_scale,  # one query token: no causal mask needed
         k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
         page_table_ptr + seq * stride_pts, d, d_mask, page_size, stride_ptp,
         stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
         ROWS=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION,
-    )  # [BLOCK_G, BLOCK_D] float32
+    )
+    out = normalized_output(l_i, acc)  # [BLOCK_G, BLOCK_D] float32
     tl.store(
         out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),
@@ -83,8 +94,13 @@ def paged_decode_attention(
     page_table: torch.Tensor,  # [num_seqs, max_pages] int32
     context_lens: torch.Tensor,  # [num_seqs] int32, includes the query token
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence, attending to its first `context_lens[i]` cached tokens."""
+    """One query token per sequence, attending to its first `context_lens[i]` cached tokens.
+
+    `num_splits`: key-range splits per sequence (the split-K path of triton_decode_split.py when
+    > 1); None lets `choose_num_splits` decide from the batch size, KV heads and the page table's
+    width, the same answer for the same shapes (no device read)."""
     check_query_and_cache(query, k_cache, v_cache, "num_seqs")
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -97,11 +113,20 @@ def paged_decode_attention(
     out = torch.empty_like(query)
     if num_seqs == 0 or num_heads == 0:
         return out
+    qk_scale = float(scale) * math.log2(math.e)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, page_table.shape[1] * k_cache.shape[1],
+                                       _num_sms(query.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+    if num_splits > 1:
+        split_decode_attention(query, k_cache, v_cache, page_table, context_lens, qk_scale,
+                               num_splits, out, _BLOCK_N)
+        return out
     group_size = num_heads // num_kv_heads
     _decode_kernel[(num_seqs, num_kv_heads)](
         query, k_cache, v_cache, page_table, context_lens, out,
-        float(scale) * math.log2(math.e),
-        group_size, head_dim, k_cache.shape[1],
+        qk_scale, group_size, head_dim, k_cache.shape[1],
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *page_table.stride(), *out.stride(),
         BLOCK_G=max(16, triton.next_power_of_2(group_size)),  # tl.dot needs >= 16 rows
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

@@ -1,6 +1,7 @@
 """Pieces shared by the Triton paged-KV kernels: jit helpers and host-side argument checks.
 
-Used by `kernels.triton_decode_attention` and `kernels.triton_prefill_attention` (the GPU path of
+Used by `kernels.triton_decode_attention`, `kernels.triton_decode_split` and
+`kernels.triton_prefill_attention` (the GPU path of
 `paged_decode_attention` / `paged_prefill_attention` in engine/model/attention.py) and by
 `kernels.triton_store_kv` (the GPU path of `store_kv`); the pure-torch oracles with the same
 arguments live in `kernels.reference`. Nothing here is public API.
@@ -9,10 +10,13 @@ Cache layout: k_cache, v_cache [num_pages, page_size, num_kv_heads, head_dim]; t
 sequence b lives in page `page_table[b, t // page_size]` at offset `t % page_size`.
 
 - `load_kv_tiles`: the [BLOCK_N, BLOCK_D] K and V tiles of one sequence and kv head.
+- `load_group_query`: the query rows of one kv head's GQA group (both decode kernels).
 - `online_softmax_update`: one step of the exp2 online softmax (running max / denominator /
   accumulator), so a kernel can walk the context block by block in constant memory.
-- `attend_paged_context`: the key-block loop both attention kernels run, built from the two
-  above; decode calls it without a causal mask, prefill with one.
+- `attend_paged_range`: the key-block loop over keys lo..end-1, built from the two above,
+  returning the unnormalised softmax state: decode runs it over the whole context without a
+  causal mask, prefill with one, the split-K decode kernel over one key range per split.
+- `normalized_output`: that state divided out into the attention output.
 - `check_*`: the ValueError checks the host wrappers run before launching a kernel.
 """
 
@@ -55,6 +59,27 @@ def load_kv_tiles(
 
 
 @triton.jit
+def load_group_query(
+    q_ptr,  # [num_seqs, num_heads, head_dim]
+    seq, kv_head, group_size, head_dim,
+    stride_qs, stride_qh, stride_qd,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """A decode step's query rows for one kv head's GQA group: returns (q [BLOCK_G, BLOCK_D],
+    heads [BLOCK_G], g_mask [BLOCK_G], d [BLOCK_D], d_mask [BLOCK_D]); padded rows/lanes are 0."""
+    g = tl.arange(0, BLOCK_G)  # [BLOCK_G] query heads of this group (padded)
+    d = tl.arange(0, BLOCK_D)  # [BLOCK_D] (padded head_dim)
+    heads = kv_head * group_size + g
+    g_mask = g < group_size
+    d_mask = d < head_dim
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+    return q, heads, g_mask, d, d_mask
+
+
+@triton.jit
 def online_softmax_update(
     m_i,  # [ROWS] running max of the scores (log2 domain)
     l_i,  # [ROWS] running softmax denominator
@@ -73,12 +98,13 @@ def online_softmax_update(
 
 
 @triton.jit
-def attend_paged_context(
+def attend_paged_range(
     q,  # [ROWS, BLOCK_D] query tile; its dtype is the dtype K and V are computed in
     q_pos,  # [ROWS] absolute position of each query row, keys after it are masked; None: no
-    #         causal mask (every key below ctx_len is visible)
-    hi,  # walk key positions 0..hi-1 (hi <= ctx_len rounded up to BLOCK_N)
-    ctx_len,  # keys at positions >= ctx_len are not in the cache: masked
+    #         causal mask (every key below `end` is visible)
+    lo,  # first key position to walk (a split's start; 0 for the whole context)
+    hi,  # walk key positions lo..hi-1 in BLOCK_N steps
+    end,  # keys at positions >= end are masked (the context length, or a split's end)
     qk_scale,  # softmax scale * log2(e): scores go through exp2
     k_head_ptr, v_head_ptr,  # k_cache / v_cache already advanced to this kv head
     page_row_ptr,  # this sequence's row of page_table [max_pages]
@@ -89,16 +115,18 @@ def attend_paged_context(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """softmax(q k^T * scale) v over one sequence's paged context, BLOCK_N keys at a time.
+    """The online-softmax state (m_i [ROWS], l_i [ROWS], acc [ROWS, BLOCK_D], all float32,
+    acc not yet divided by l_i) of q against keys lo..end-1 of one sequence's paged context.
 
-    Returns [ROWS, BLOCK_D] float32; a row that sees no key gets zeros, not NaN.
+    An empty range (lo >= hi) returns m_i = -1e30, l_i = 0, acc = 0: a finite "no keys" state
+    that a split-K reduce can weigh to zero without producing NaN.
     """
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([ROWS], dtype=tl.float32)  # running softmax denominator
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
-        n_mask = n < ctx_len
+        n_mask = n < end
         k, v = load_kv_tiles(
             k_head_ptr, v_head_ptr, page_row_ptr, n, n_mask, d, d_mask, page_size, stride_ptp,
             stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
@@ -109,6 +137,13 @@ def attend_paged_context(
             visible = visible & (n[None, :] <= q_pos[:, None])  # causal with offset
         s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
         m_i, l_i, acc = online_softmax_update(m_i, l_i, acc, s, v.to(q.dtype), INPUT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def normalized_output(l_i, acc):
+    """attend_paged_range's state as the attention output [ROWS, BLOCK_D] float32: acc divided
+    by the softmax denominator; a row that saw no key gets zeros, not NaN."""
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 

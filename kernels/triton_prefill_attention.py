@@ -9,7 +9,7 @@ own keys/values must already be in the cache (store_kv runs first).
 Query token i of sequence b (q_len_b tokens) sits at position `context_lens[b] - q_len_b + i` and
 sees keys 0..that position. FlashAttention-style: one program per (query block, head, sequence)
 walks key blocks up to the block's last query position with an online softmax. That key-block
-loop (`attend_paged_context`, here with the causal mask) and the host-side argument checks are
+loop (`attend_paged_range`, here with the causal mask) and the host-side argument checks are
 shared with the decode kernel in `kernels.triton_paged_common`.
 """
 
@@ -22,11 +22,12 @@ import triton
 import triton.language as tl
 
 from kernels.triton_paged_common import (
-    attend_paged_context,
+    attend_paged_range,
     check_index_dtypes,
     check_page_table,
     check_query_and_cache,
     check_same_device,
+    normalized_output,
 )
 
 _BLOCK_M = 16  # query tokens per program (>= 16 for tl.dot)
@@ -74,13 +75,14 @@ def _prefill_kernel(
     last_row = tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len)
     hi = tl.where(m_block * BLOCK_M < q_len, ctx_len - q_len + last_row, 0)
 
-    out = attend_paged_context(
-        q, q_pos, hi, ctx_len, qk_scale,
+    _, l_i, acc = attend_paged_range(
+        q, q_pos, 0, hi, ctx_len, qk_scale,
         k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh,
         page_table_ptr + seq * stride_pts, d, d_mask, page_size, stride_ptp,
         stride_kp, stride_ks, stride_kd, stride_vp, stride_vs, stride_vd,
         ROWS=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, INPUT_PRECISION=INPUT_PRECISION,
-    )  # [BLOCK_M, BLOCK_D] float32
+    )
+    out = normalized_output(l_i, acc)  # [BLOCK_M, BLOCK_D] float32
     tl.store(
         out_ptr + (q_start + rows[:, None]) * stride_ot + head * stride_oh + d[None, :] * stride_od,
         out.to(out_ptr.dtype.element_ty),

@@ -16,39 +16,9 @@ from kernels import reference
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_prefill_attention import paged_prefill_attention
 from kernels.triton_store_kv import store_kv
+from tests.kernels.paged_inputs import make_cache, paged_context, query_tensor
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
-
-
-def _make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen, padded=False):
-    """Random K/V caches; `padded` makes them non-contiguous views with a wider last dim."""
-    width = head_dim + (8 if padded else 0)
-    shape = (num_pages, page_size, num_kv_heads, width)
-    k = torch.randn(shape, generator=gen).to(dtype)[..., :head_dim]
-    v = torch.randn(shape, generator=gen).to(dtype)[..., :head_dim]
-    return k, v
-
-
-def _paged_context(ctx_lens, page_size, num_kv_heads, head_dim, dtype, gen, padded=False):
-    """Caches plus a page table whose pages are a shuffled, non-contiguous set; unused = -1."""
-    pages_per_seq = [(c + page_size - 1) // page_size for c in ctx_lens]
-    num_pages = sum(pages_per_seq) + 3  # spare pages that nobody owns
-    k_cache, v_cache = _make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen, padded)
-    perm = torch.randperm(num_pages, generator=gen)
-    page_table = torch.full((len(ctx_lens), max(pages_per_seq) + 1), -1, dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(pages_per_seq):
-        page_table[b, :n] = perm[used : used + n].to(torch.int32)
-        used += n
-    return k_cache, v_cache, page_table, torch.tensor(ctx_lens, dtype=torch.int32)
-
-
-def _query(num_tokens, num_heads, num_kv_heads, head_dim, dtype, gen, strided=False):
-    """Queries, optionally as the strided q-slice of a fused qkv projection output."""
-    if not strided:
-        return torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype)
-    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    return qkv[:, :num_heads]
 
 
 @pytest.mark.parametrize(
@@ -62,7 +32,7 @@ def _query(num_tokens, num_heads, num_kv_heads, head_dim, dtype, gen, strided=Fa
 def test_store_kv_matches_reference(page_size, num_kv_heads, head_dim, dtype, strided):
     gen = torch.Generator().manual_seed(0)
     num_pages, num_tokens = 6, 11
-    k_ref, v_ref = _make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen)
+    k_ref, v_ref = make_cache(num_pages, page_size, num_kv_heads, head_dim, dtype, gen)
     k_tri, v_tri = k_ref.clone(), v_ref.clone()
     if strided:  # keys/values as slices of one [tokens, 2, kvh, d] buffer
         kv = torch.randn(num_tokens, 2, num_kv_heads, head_dim, generator=gen)
@@ -93,10 +63,10 @@ def test_decode_matches_reference(
     ctx_lens, page_size, num_heads, num_kv_heads, head_dim, dtype, padded
 ):
     gen = torch.Generator().manual_seed(1)
-    k_cache, v_cache, page_table, context_lens = _paged_context(
+    k_cache, v_cache, page_table, context_lens = paged_context(
         ctx_lens, page_size, num_kv_heads, head_dim, dtype, gen, padded
     )
-    query = _query(len(ctx_lens), num_heads, num_kv_heads, head_dim, dtype, gen, strided=padded)
+    query = query_tensor(len(ctx_lens), num_heads, num_kv_heads, head_dim, dtype, gen, strided=padded)
     scale = head_dim**-0.5
     args = (query, k_cache, v_cache, page_table, context_lens, scale)
     expected = reference.paged_decode_attention(*args)
@@ -120,10 +90,10 @@ def test_prefill_matches_reference(
     q_lens, ctx_lens, page_size, num_heads, num_kv_heads, head_dim, dtype, padded
 ):
     gen = torch.Generator().manual_seed(2)
-    k_cache, v_cache, page_table, context_lens = _paged_context(
+    k_cache, v_cache, page_table, context_lens = paged_context(
         ctx_lens, page_size, num_kv_heads, head_dim, dtype, gen, padded
     )
-    query = _query(sum(q_lens), num_heads, num_kv_heads, head_dim, dtype, gen, strided=padded)
+    query = query_tensor(sum(q_lens), num_heads, num_kv_heads, head_dim, dtype, gen, strided=padded)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     scale = head_dim**-0.5
     args = (query, k_cache, v_cache, page_table, query_start_loc, context_lens, scale)
@@ -138,7 +108,7 @@ def test_store_then_prefill_then_decode():
     gen = torch.Generator().manual_seed(3)
     page_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 16
     prompt_lens = [6, 9]
-    k_cache, v_cache, page_table, _ = _paged_context(
+    k_cache, v_cache, page_table, _ = paged_context(
         [n + 1 for n in prompt_lens], page_size, num_kv_heads, head_dim, torch.float32, gen
     )
     k_cache.zero_(), v_cache.zero_()
