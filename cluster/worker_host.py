@@ -21,6 +21,7 @@ from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
 from engine.kv_transfer import KVSender, torch_dist
 from engine.kv_transfer.destinations import KVDestinations
+from engine.kv_transfer.transport import BaseFrameSender
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from engine.metrics.peak import Peak, resolve_peak
 from engine.metrics.rejected import RejectedMessages
@@ -190,11 +191,11 @@ class WorkerHost:
         def open_sender(address: str) -> KVSender:
             if address not in senders:  # one connection per decode worker, reused
                 if address.startswith(torch_dist.PREFIX):
-                    frames = torch_dist.DistFrameSender(address, device)
+                    frames: BaseFrameSender = torch_dist.DistFrameSender(address, device)
                 else:
                     frames = ZmqFrameSender(address, spec.cluster_secret, self.worker_id,
                                             sign_payload=not spec.kv_checksum)
-                    closers.append(frames.close)
+                closers.append(frames.close)
                 senders[address] = KVSender(frames, checksum=spec.kv_checksum, observer=observe_transfer)
             return senders[address]
 

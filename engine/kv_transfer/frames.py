@@ -36,6 +36,8 @@ class Frame:
 
 
 MAX_HEADER_BYTES = 4096  # a page frame's header is ~150 bytes
+# The largest frame payload a decode worker takes: 8 pages of a 70B-class model are ~40 MiB.
+MAX_FRAME_BYTES = 256 << 20
 FRAME_KINDS = ("pages", "done", "abort")
 
 

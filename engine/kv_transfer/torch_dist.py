@@ -2,10 +2,23 @@
 code is tested here). Every prefill and decode worker joins one process group at start-up;
 a destination is `dist:<rank>`.
 
-A frame crosses as three messages to the same rank: sizes (int64[2]), the msgpack header,
-then the payload bytes. The receiver knows its sources (the prefill ranks) and posts receives
-from each by name, one thread per source, queueing whole frames; per-source ordering keeps a
-sender's three messages together. Receive-from-any-source is not used: NCCL rejects it.
+A frame crosses as two messages to the same rank: a fixed-size preamble (header and payload
+lengths, then the msgpack header, PREAMBLE_BYTES in all) and, when there is one, the payload.
+`send` queues the frame for the sender's own thread and returns at once, so the prefill step
+loop is never held by a decode rank that has not posted its receive yet (a blocking send of
+pages waits for exactly that); the tensors stay referenced until their messages have left,
+which the callable `send` returns (and `flush`) report. A thread and blocking sends rather than
+`isend` on the step thread: gloo's send work reports completion only once waited on, and a
+timed wait that expires closes the connection to that peer (both seen on torch 2.13). Not
+`batch_isend_irecv` either: on NCCL a coalesced batch that is a group's first p2p call must
+include every rank, a hang that cannot be ruled out without GPUs.
+The receiver knows its sources (the prefill ranks) and posts receives from each by name, one
+thread per source, queueing whole frames; per-source ordering keeps a sender's two messages
+together. Receive-from-any-source is not used: NCCL rejects it.
+
+Not done yet (issue 12): the payload still reaches this module as host bytes (frames.py
+`pages_frame`), so on GPUs pages go device -> host -> device on each side; sending the device
+pages themselves needs a frame that carries a tensor. The NCCL path has never run on a GPU.
 """
 
 from __future__ import annotations
@@ -13,14 +26,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-from engine.kv_transfer.frames import Frame, parse_header
+from engine.kv_transfer.frames import MAX_FRAME_BYTES, MAX_HEADER_BYTES, Frame, parse_header
 from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
 from engine.parallel.tcp_store import open_tcp_store
 
@@ -54,22 +69,85 @@ def rank_of(address: str) -> int:
     return int(address[len(PREFIX) :])
 
 
+PREAMBLE_BYTES = 16 + MAX_HEADER_BYTES  # int64 header length, int64 payload length, header
+
+
+def encode_preamble(header: bytes, payload_len: int) -> torch.Tensor:
+    """The first message of a frame: [PREAMBLE_BYTES] uint8."""
+    if len(header) > MAX_HEADER_BYTES:
+        raise TransportError(f"frame header of {len(header)} bytes (at most {MAX_HEADER_BYTES})")
+    preamble = torch.zeros(PREAMBLE_BYTES, dtype=torch.uint8)
+    preamble[:16].view(torch.int64).copy_(torch.tensor([len(header), payload_len]))
+    preamble[16 : 16 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    return preamble
+
+
+def decode_preamble(preamble: torch.Tensor) -> tuple[bytes, int]:
+    """(header bytes, payload length) of a received preamble (a CPU tensor); ValueError when
+    the lengths are out of range, which leaves the stream from that rank unreadable."""
+    header_len, payload_len = preamble[:16].view(torch.int64).tolist()
+    if not 0 < header_len <= MAX_HEADER_BYTES or not 0 <= payload_len <= MAX_FRAME_BYTES:
+        raise ValueError(f"frame preamble with header {header_len} / payload {payload_len} bytes")
+    return preamble[16 : 16 + header_len].numpy().tobytes(), payload_len
+
+
+@dataclass
+class _Outgoing:
+    """One frame on its way: the tensors its messages read (kept alive until sent) and the event
+    the sending thread sets once they have left, or failed to."""
+
+    tensors: list[torch.Tensor]
+    sent: threading.Event = field(default_factory=threading.Event)
+
+
 class DistFrameSender(BaseFrameSender):
+    """Frames to one rank, sent in order by this sender's own thread: `send` queues and returns."""
+
     def __init__(self, address: str, device: str = "cpu") -> None:
         self.dst = rank_of(address)
         self.device = device  # "cuda" for NCCL: tensors must live on the GPU
+        self._queue: queue.Queue[_Outgoing | None] = queue.Queue()
+        self._last: _Outgoing | None = None
+        self._error = ""  # why a send failed; the sender then refuses every frame
+        self._thread = threading.Thread(target=self._send_forever, name=f"pdserve-kv-send-{self.dst}", daemon=True)
+        self._thread.start()
 
     def send(self, frame: Frame) -> Callable[[], bool]:
+        if self._error:
+            raise TransportError(f"torch.distributed send to rank {self.dst} failed: {self._error}")
         header = msgpack.packb(frame.header, use_bin_type=True)
-        payload = frame.payload
-        try:
-            dist.send(torch.tensor([len(header), len(payload)], dtype=torch.int64, device=self.device), self.dst)
-            dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device), self.dst)
-            if len(payload):
-                dist.send(torch.frombuffer(payload, dtype=torch.uint8).to(self.device), self.dst)
-        except RuntimeError as exc:
-            raise TransportError(f"torch.distributed send to rank {self.dst} failed: {exc}") from exc
-        return lambda: True  # dist.send returns once the bytes are out
+        tensors = [encode_preamble(header, len(frame.payload)).to(self.device)]
+        if len(frame.payload):
+            with warnings.catch_warnings():  # a read-only payload is only read by the send
+                warnings.simplefilter("ignore", UserWarning)
+                tensors.append(torch.frombuffer(frame.payload, dtype=torch.uint8).to(self.device))
+        outgoing = _Outgoing(tensors)
+        self._queue.put(outgoing)
+        self._last = outgoing
+        return outgoing.sent.is_set
+
+    def flush(self, timeout_s: float) -> bool:
+        """Waits until every frame queued so far has left; False at the deadline or after a
+        failed send. The wait is on this side's event, never a timed gloo/NCCL wait: gloo
+        closes the connection to a peer whose wait timed out (seen with torch 2.13)."""
+        last = self._last
+        done = last is None or last.sent.wait(max(0.0, timeout_s))
+        return done and not self._error
+
+    def close(self) -> None:
+        self._queue.put(None)  # a send blocked on a dead peer keeps the (daemon) thread
+
+    def _send_forever(self) -> None:
+        while (outgoing := self._queue.get()) is not None:
+            try:
+                if not self._error:
+                    for tensor in outgoing.tensors:
+                        dist.send(tensor, self.dst)
+            except RuntimeError as exc:  # the peer or the group is gone
+                self._error = str(exc)
+                log.warning("KV send to rank %s failed: %s", self.dst, exc)
+            outgoing.tensors.clear()  # the memory is free either way
+            outgoing.sent.set()
 
 
 class DistFrameReceiver(BaseFrameReceiver):
@@ -90,17 +168,20 @@ class DistFrameReceiver(BaseFrameReceiver):
     def _receive_forever(self, src: int) -> None:
         try:
             while True:
-                sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-                dist.recv(sizes, src)
-                header = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
-                dist.recv(header, src)
+                preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8, device=self.device)
+                dist.recv(preamble, src)
+                try:
+                    header_bytes, payload_len = decode_preamble(preamble.cpu())
+                except ValueError as exc:  # the byte stream from src is lost: stop reading it
+                    log.error("KV receiver stops reading rank %s: %s", src, exc)
+                    return
                 payload: memoryview | bytes = b""
-                if int(sizes[1]):
-                    data = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
+                if payload_len:
+                    data = torch.empty(payload_len, dtype=torch.uint8, device=self.device)
                     dist.recv(data, src)
                     payload = data.cpu().numpy().data.cast("B")
                 try:
-                    self._frames.put(Frame(parse_header(header.cpu().numpy().tobytes()), payload))
+                    self._frames.put(Frame(parse_header(header_bytes), payload))
                 except ValueError as exc:  # one bad frame is dropped, never the receiver
                     log.warning("dropped a bad KV frame from rank %s: %s", src, exc)
         except RuntimeError as exc:  # the group was torn down: the worker is stopping

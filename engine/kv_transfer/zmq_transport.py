@@ -26,13 +26,11 @@ from collections.abc import Callable
 import msgpack
 import zmq
 
-from engine.kv_transfer.frames import Frame, parse_header
+from engine.kv_transfer.frames import MAX_FRAME_BYTES, Frame, parse_header
 from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
 from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifier
 
 log = logging.getLogger(__name__)
-# The largest frame a decode worker takes: 8 pages of a 70B-class model are ~40 MiB.
-MAX_FRAME_BYTES = 256 << 20
 
 
 class ZmqFrameReceiver(BaseFrameReceiver):

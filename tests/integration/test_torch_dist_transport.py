@@ -101,3 +101,87 @@ def test_a_page_frame_from_device_memory_goes_through_a_host_copy():
     frame = pages_frame("r", 3, on_device, checksum=True)
     assert bytes(frame.payload) == host.numpy().tobytes()
     assert frame.header["crc32"] == pages_frame("r", 3, host, checksum=True).header["crc32"]
+
+
+BIG = (2, 1, 1, 4, 16, 8192)  # 4 MiB of float32 pages: more than a socket buffer holds
+
+
+def _pair_main(rank: int, port: int, receiving, results) -> None:
+    """Rank 0 sends while rank 1 is not receiving yet; rank 1 starts when told."""
+    import time
+
+    import torch.distributed as dist
+
+    from engine.kv_transfer import torch_dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch_dist.join_group(rank, 2, f"127.0.0.1:{port}", "gloo", timeout_s=60)
+    try:
+        if rank == 0:
+            sender = torch_dist.DistFrameSender(torch_dist.address_of(1))
+            start = time.monotonic()
+            reusable = [sender.send(pages_frame("big", i, torch.full(BIG, float(i)), checksum=True))
+                        for i in range(3)]
+            sent_s = time.monotonic() - start
+            left_before = [r() for r in reusable]
+            flushed_early = sender.flush(0.2)  # nobody is receiving: this must time out
+            receiving.set()
+            flushed = sender.flush(60)
+            results.put(("send", sent_s, left_before, flushed_early, flushed, [r() for r in reusable]))
+        else:
+            receiving.wait(60)
+            receiver = torch_dist.DistFrameReceiver([0])
+            frames = []
+            while len(frames) < 3:
+                frames += receiver.recv(1.0)
+            results.put(("recv", [(f.header["first_page"], torch.frombuffer(bytearray(f.payload), dtype=torch.float32)
+                                   .unique().tolist(), page_checksum(f.header, f.payload) == f.header["crc32"])
+                                  for f in frames]))
+        dist.barrier()
+    finally:
+        torch_dist.leave_group()
+
+
+def test_sends_return_before_the_peer_receives_and_flush_waits_for_them():
+    """The prefill step loop is not held by a decode rank that is not receiving: `send` posts
+    the frame and returns; the returned callable and `flush` say when the pages' memory is free."""
+    ctx = mp.get_context("spawn")
+    results, receiving = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=_pair_main, args=(rank, port, receiving, results)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r[0], r[1:]) for r in (results.get(timeout=90), results.get(timeout=90)))
+    except queue.Empty:
+        pytest.fail("a rank reported nothing")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    sent_s, left_before, flushed_early, flushed, done_after = got["send"]
+    assert sent_s < 5.0  # a blocking send would wait for the receiver, which waits for flush
+    assert not all(left_before) and flushed_early is False  # 12 MiB cannot have left yet
+    assert flushed is True and all(done_after)
+    assert got["recv"] == ([(i, [float(i)], True) for i in range(3)],)
+
+
+def test_the_preamble_carries_the_header_and_payload_length():
+    from engine.kv_transfer.frames import MAX_HEADER_BYTES
+    from engine.kv_transfer.torch_dist import PREAMBLE_BYTES, decode_preamble, encode_preamble
+    from engine.kv_transfer.transport import TransportError
+
+    preamble = encode_preamble(b"\x81\xa4kind\xa4done", 12345)
+    assert preamble.shape == (PREAMBLE_BYTES,)
+    assert decode_preamble(preamble) == (b"\x81\xa4kind\xa4done", 12345)
+    with pytest.raises(TransportError, match="at most"):
+        encode_preamble(b"x" * (MAX_HEADER_BYTES + 1), 0)
+    bad = preamble.clone()
+    bad[:8].view(torch.int64)[0] = MAX_HEADER_BYTES + 1  # a desynchronised or hostile stream
+    with pytest.raises(ValueError, match="preamble"):
+        decode_preamble(bad)
+    bad = preamble.clone()
+    bad[8:16].view(torch.int64)[0] = -1
+    with pytest.raises(ValueError, match="preamble"):
+        decode_preamble(bad)
