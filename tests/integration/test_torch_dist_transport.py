@@ -14,6 +14,7 @@ import torch
 from engine.kv_transfer.frames import page_checksum, pages_frame
 from tests.local_cluster import free_port
 
+SPAWN = mp.get_context("spawn")
 WORLD = 3  # ranks 0 and 1 prefill, rank 2 decode
 PAGES = (2, 1, 1, 4, 1, 8)  # KVCache.read_pages layout: [2, layers, kv_heads, pages, page_size, d]
 
@@ -51,28 +52,34 @@ def _rank_main(rank: int, port: int, results) -> None:
         torch_dist.leave_group()
 
 
-def test_decode_rank_receives_from_the_prefill_ranks_it_names():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+def run_ranks(target, world: int, num_results: int, silence: str, *extra) -> tuple[list, list[int | None]]:
+    """Spawns `target(rank, port, results, *extra)` for each rank of a gloo group; returns the
+    first `num_results` things the ranks put on `results`, and the ranks' exit codes."""
+    results = SPAWN.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, results)) for rank in range(WORLD)]
+    procs = [SPAWN.Process(target=target, args=(rank, port, results, *extra)) for rank in range(world)]
     for p in procs:
         p.start()
     try:
-        errors, got = results.get(timeout=90)
+        got = [results.get(timeout=90) for _ in range(num_results)]
     except queue.Empty:
-        pytest.fail("the decode rank received no frames")
+        pytest.fail(silence)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+    return got, [p.exitcode for p in procs]
+
+
+def test_decode_rank_receives_from_the_prefill_ranks_it_names():
+    [(errors, got)], exitcodes = run_ranks(_rank_main, WORLD, 1, "the decode rank received no frames")
     assert len(errors) == 3 and all("must be other ranks of the group of 3" in e for e in errors)
     assert got == [(f"r{rank}", page, [float(10 * rank + page)], True) for rank in (0, 1) for page in range(3)]
     # The prefill ranks leave cleanly. The decode rank is not checked: its receive threads are
     # still blocked in gloo's recv when the group is torn down, which ends that process
     # ("terminate called"); a worker does that only when it stops anyway.
-    assert [p.exitcode for p in procs[:2]] == [0, 0]
+    assert exitcodes[:2] == [0, 0]
 
 
 class DeviceTensor(torch.Tensor):
@@ -106,7 +113,7 @@ def test_a_page_frame_from_device_memory_goes_through_a_host_copy():
 BIG = (2, 1, 1, 4, 16, 8192)  # 4 MiB of float32 pages: more than a socket buffer holds
 
 
-def _pair_main(rank: int, port: int, receiving, results) -> None:
+def _pair_main(rank: int, port: int, results, receiving) -> None:
     """Rank 0 sends while rank 1 is not receiving yet; rank 1 starts when told."""
     import time
 
@@ -145,21 +152,8 @@ def _pair_main(rank: int, port: int, receiving, results) -> None:
 def test_sends_return_before_the_peer_receives_and_flush_waits_for_them():
     """The prefill step loop is not held by a decode rank that is not receiving: `send` posts
     the frame and returns; the returned callable and `flush` say when the pages' memory is free."""
-    ctx = mp.get_context("spawn")
-    results, receiving = ctx.Queue(), ctx.Event()
-    port = free_port()
-    procs = [ctx.Process(target=_pair_main, args=(rank, port, receiving, results)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict((r[0], r[1:]) for r in (results.get(timeout=90), results.get(timeout=90)))
-    except queue.Empty:
-        pytest.fail("a rank reported nothing")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    reports, _ = run_ranks(_pair_main, 2, 2, "a rank reported nothing", SPAWN.Event())
+    got = {report[0]: report[1:] for report in reports}
     sent_s, left_before, flushed_early, flushed, done_after = got["send"]
     assert sent_s < 5.0  # a blocking send would wait for the receiver, which waits for flush
     assert not all(left_before) and flushed_early is False  # 12 MiB cannot have left yet
