@@ -1,4 +1,5 @@
-"""Test helpers: the Hugging Face greedy reference and the page-accounting check."""
+"""Test helpers: the Hugging Face greedy reference, the page-accounting check, and a stand-in for
+device memory on a machine without a GPU."""
 
 from __future__ import annotations
 
@@ -66,3 +67,21 @@ def listening_addresses(port: int) -> set[str]:
             raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, 2 * width, 8))
             found.add(str(ipaddress.ip_address(raw)))
     return found
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor that behaves, for the transport, as one in GPU memory does: it says it lives on
+    `cuda` and refuses `.numpy()` until copied to the host (what CUDA tensors raise)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.numpy.__get__ or getattr(func, "__name__", "") == "numpy":
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first.")
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        if getattr(func, "__name__", "") in ("cpu", "to"):  # the host copy is a plain tensor
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
@@ -14,7 +15,7 @@ from engine.kv_transfer import KVReceiver, KVSender, TransferState, TransportErr
 from engine.kv_transfer.inproc import InProcChannel
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from proto.frame_auth import ClusterSecret
-from tests.helpers import assert_no_page_leak, hf_greedy
+from tests.helpers import DeviceTensor, assert_no_page_leak, hf_greedy
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -261,3 +262,29 @@ def test_frames_without_the_transfer_token_are_ignored_and_tampered_ones_fail():
     [outcome] = receiver.collect()
     assert outcome.state is TransferState.FAILED and "checksum mismatch" in outcome.detail
     decode.page_manager.release(pages)
+
+
+def test_pages_from_device_memory_cross_the_transport_intact(link, pair):
+    """Issue 12: page frames built from device memory (a tensor that refuses `.numpy()`, as CUDA
+    memory does) go through KVSender, the transport (in-process, and ZMQ on loopback) and
+    KVReceiver into the decode cache unchanged, with their checksum."""
+    frame_sender, frame_receiver, _ = link
+    _, decode = pair
+    prompt = [0] + list(range(70, 77))  # 8 tokens: 2 pages of 4
+    res = decode.handoff.reserve("dev", prompt)
+    receiver = KVReceiver(decode.kv_cache, require_checksum=True)
+    receiver.expect("dev", list(res.page_ids), timeout_s=10)
+    pages = torch.randn(decode.kv_cache.pages_shape(2), generator=torch.Generator().manual_seed(5))
+    pages = pages.to(decode.kv_cache.dtype)
+    on_device = pages.clone().as_subclass(DeviceTensor)
+    with pytest.raises(TypeError, match="Use Tensor.cpu"):
+        on_device.numpy()
+    sender = KVSender(frame_sender, checksum=True)
+    sender.begin("dev", timeout_s=10)
+    sender.send_pages("dev", 0, on_device)
+    assert sender.finish("dev", first_token=3) is TransferState.DONE
+    [outcome] = wait_outcome(receiver, frame_receiver)
+    assert outcome.state is TransferState.DONE and outcome.first_token == 3
+    assert torch.equal(decode.kv_cache.read_pages(list(res.page_ids)), pages)
+    decode.handoff.cancel("dev")
+    assert_no_page_leak(decode)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine.kv_transfer.frames import page_checksum, pages_frame
+from tests.helpers import DeviceTensor
 from tests.local_cluster import free_port
 
 SPAWN = mp.get_context("spawn")
@@ -80,24 +81,6 @@ def test_decode_rank_receives_from_the_prefill_ranks_it_names():
     # still blocked in gloo's recv when the group is torn down, which ends that process
     # ("terminate called"); a worker does that only when it stops anyway.
     assert exitcodes[:2] == [0, 0]
-
-
-class DeviceTensor(torch.Tensor):
-    """A tensor that behaves, for the transport, as one in GPU memory does: it says it lives on
-    `cuda` and refuses `.numpy()` until copied to the host (what CUDA tensors raise)."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.numpy.__get__ or getattr(func, "__name__", "") == "numpy":
-            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first.")
-        out = super().__torch_function__(func, types, args, kwargs or {})
-        if getattr(func, "__name__", "") in ("cpu", "to"):  # the host copy is a plain tensor
-            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
-        return out
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", 0)
 
 
 def test_a_page_frame_from_device_memory_goes_through_a_host_copy():
