@@ -13,14 +13,16 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PDSERVE_CACHE", str(REPO / ".cache"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# No GPU here: Triton kernels run in the interpreter, which must be chosen before triton loads.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 # dtype `auto` means bfloat16 on CPUs with native bf16; the oracle (HF greedy) is float32, so
 # the suite, and every worker process it starts, sees a CPU without it.
 os.environ.setdefault("PDSERVE_CPU_NATIVE_BF16", "0")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+import torch  # noqa: E402  (importing torch does not load triton)
+
+# Without a GPU, Triton kernels run in the interpreter, which must be chosen before triton
+# loads; with one, tests/gpu/ runs them compiled (scripts/gpu_check.sh sets 0 explicitly too).
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 from engine.model.builtin import ensure_builtin  # noqa: E402
 

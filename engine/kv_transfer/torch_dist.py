@@ -91,6 +91,15 @@ def decode_preamble(preamble: torch.Tensor) -> tuple[bytes, int]:
     return preamble[16 : 16 + header_len].numpy().tobytes(), payload_len
 
 
+def use_device(device: str) -> None:
+    """Makes `device` this thread's current CUDA device (a new thread starts on device 0, which
+    NCCL would use for its stream); nothing for CPU or an unindexed "cuda" (device 0 of the
+    GPUs this process sees, as Ray hands them out). Unverified on GPUs so far."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+
+
 @dataclass
 class _Outgoing:
     """One frame on its way: the tensors its messages read (kept alive until sent) and the event
@@ -138,6 +147,7 @@ class DistFrameSender(BaseFrameSender):
         self._queue.put(None)  # a send blocked on a dead peer keeps the (daemon) thread
 
     def _send_forever(self) -> None:
+        use_device(self.device)
         while (outgoing := self._queue.get()) is not None:
             try:
                 if not self._error:
@@ -166,6 +176,7 @@ class DistFrameReceiver(BaseFrameReceiver):
             thread.start()
 
     def _receive_forever(self, src: int) -> None:
+        use_device(self.device)
         try:
             while True:
                 preamble = torch.empty(PREAMBLE_BYTES, dtype=torch.uint8, device=self.device)

@@ -4,18 +4,15 @@ page frames are built from device memory through a host copy, not `.numpy()` on 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 
 import pytest
 import torch
 
 from engine.kv_transfer.frames import page_checksum, pages_frame
+from tests.dist_ranks import SPAWN, run_ranks
 from tests.helpers import DeviceTensor
-from tests.local_cluster import free_port
 
-SPAWN = mp.get_context("spawn")
 WORLD = 3  # ranks 0 and 1 prefill, rank 2 decode
 PAGES = (2, 1, 1, 4, 1, 8)  # KVCache.read_pages layout: [2, layers, kv_heads, pages, page_size, d]
 
@@ -51,26 +48,6 @@ def _rank_main(rank: int, port: int, results) -> None:
         dist.barrier()
     finally:
         torch_dist.leave_group()
-
-
-def run_ranks(target, world: int, num_results: int, silence: str, *extra) -> tuple[list, list[int | None]]:
-    """Spawns `target(rank, port, results, *extra)` for each rank of a gloo group; returns the
-    first `num_results` things the ranks put on `results`, and the ranks' exit codes."""
-    results = SPAWN.Queue()
-    port = free_port()
-    procs = [SPAWN.Process(target=target, args=(rank, port, results, *extra)) for rank in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        got = [results.get(timeout=90) for _ in range(num_results)]
-    except queue.Empty:
-        pytest.fail(silence)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return got, [p.exitcode for p in procs]
 
 
 def test_decode_rank_receives_from_the_prefill_ranks_it_names():
