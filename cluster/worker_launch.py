@@ -41,7 +41,10 @@ class WorkerSlot:
         self.command_address = ready_reply.command_address
 
     def endpoint(self) -> WorkerEndpoint:
-        return WorkerEndpoint(self.worker_id, self.role, self.command_address)
+        """What the router is told of this worker, once it is ready (`resolve`): the addresses it bound."""
+        if self.bound is None:
+            raise RuntimeError(f"worker {self.worker_id} has not reported ready: its addresses are not known yet")
+        return WorkerEndpoint(self.worker_id, self.role, self.command_address, self.bound.kv_address)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Asks the worker to stop its loop (its followers leave theirs), then kills everything."""

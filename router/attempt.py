@@ -84,6 +84,7 @@ class Attempt:
             if not self._sent_by(msg, *([senders[type(msg)]] if type(msg) in senders else [prefill, decode])):
                 continue
             if isinstance(msg, wm.Reserved):
+                self._check_kv_address(msg)
                 self.policy.record(self.prompt, prefill)
                 kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s,
                                       msg.transfer_token)
@@ -153,6 +154,19 @@ class Attempt:
         log.warning("request %s: dropped %s from %s, which this attempt did not ask", self.rid,
                     type(msg).__name__, sender)
         return False
+
+    def _check_kv_address(self, msg: wm.Reserved) -> None:
+        """The prefill worker will push this request's KV (the prompt itself) wherever the
+        reservation says: only to the KV endpoint the cluster started that decode worker with.
+        Another address (a worker bound elsewhere than it was told, or one sending what it should
+        not) fails this attempt before any prefill, and is counted; close() frees the pages."""
+        known = self.pool.kv_address(msg.worker_id)
+        if msg.kv_address == known:
+            return
+        why = (f"decode worker {msg.worker_id} reserved pages at KV address {msg.kv_address[:100]!r}, "
+               f"not at its known KV endpoint {known!r}")
+        self.pool.reject("kv_address", f"request {self.rid}: {why}")
+        raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{why}: the prompt was not sent to prefill")
 
     def _next(self):
         return _next(self.events, self.j.deadline, self.pool, self.watched)

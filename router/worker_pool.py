@@ -37,6 +37,15 @@ class WorkerEndpoint:
     worker_id: str
     role: str  # "prefill", "decode", "colocated"
     command_address: str  # host:port the worker binds for commands
+    # A decode worker's KV endpoint as it bound it (cluster/specs.py WorkerSpec.kv_address:
+    # host:kv_port, or dist:<rank>): its Reserved replies must name this and nothing else, or the
+    # router would send a prefill worker's KV wherever a reply said (router/attempt.py).
+    kv_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.role == "decode") != (self.kv_address is not None):
+            raise ValueError(f"worker {self.worker_id}: a decode worker has a KV address and no other role has "
+                             f"one (role {self.role!r}, kv_address {self.kv_address!r})")
 
 
 @dataclass
@@ -122,6 +131,11 @@ class WorkerPool:
         for worker in self._workers.values():
             worker.requests.discard(request_id)
 
+    def kv_address(self, worker_id: str) -> str | None:
+        """Where `worker_id` takes KV, as the cluster started it (None: not a decode worker in the pool)."""
+        worker = self._workers.get(worker_id)
+        return None if worker is None else worker.endpoint.kv_address
+
     def incarnation(self, worker_id: str) -> str | None:
         """Which process behind `worker_id` sent the last heartbeat (None before the first)."""
         worker = self._workers.get(worker_id)
@@ -189,15 +203,17 @@ class WorkerPool:
                     raise ValueError(f"an event is one part after its signature, not {len(parts)}")
                 self._dispatch(wm.decode(bytes(parts[0])))
             except AuthError as exc:
-                self._reject(exc.reason, exc)
+                self.reject(exc.reason, str(exc))
             except ValueError as exc:
-                self._reject("malformed", exc)
+                self.reject("malformed", str(exc))
             except Exception as exc:  # noqa: BLE001 - the pump outlives any one event
-                self._reject("error", exc)
+                self.reject("error", str(exc))
 
-    def _reject(self, reason: str, exc: Exception) -> None:
+    def reject(self, reason: str, detail: str) -> None:
+        """Counts (and logs) a worker event dropped for `reason`: here, when it cannot be read, or
+        by a request's attempt, when what it says cannot be true (router/attempt.py)."""
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        log.warning("dropped a worker event (%s): %s", reason, str(exc)[:200])
+        log.warning("dropped a worker event (%s): %s", reason, detail[:200])
         self.on_reject(reason)
 
     def _dispatch(self, msg: Any) -> None:

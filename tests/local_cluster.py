@@ -99,7 +99,7 @@ class LocalCluster:
                 h.set_kv_destinations(destinations)
         for h in self.hosts:
             h.start()
-        endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address) for h in self.hosts]
+        endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address, h.spec.kv_address) for h in self.hosts]
         self.router = Router(router_spec(self.config, str(model_dir), endpoints, "127.0.0.1", self.secret))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

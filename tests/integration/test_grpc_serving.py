@@ -5,6 +5,7 @@ answered with the right status and leave every page free."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -273,6 +274,46 @@ def test_a_burst_queued_for_prefill_outlives_no_lease(tiny_dir, hf_tiny):
             c.wait_pages_free()
         finally:
             c.close()
+
+
+def test_a_reservation_naming_another_kv_address_is_refused_by_the_router(tiny_dir, hf_tiny):
+    """The router knows decode-0 by a KV endpoint other than the one it bound (a worker that came
+    up elsewhere than the cluster started it, or one lying): its Reserved names where KV would go,
+    the router refuses to send the prompt's KV there, fails that request saying why, counts it,
+    and the reservation is freed. Told the right address again, it serves HF greedy."""
+    from dataclasses import replace
+
+    c = LocalCluster(tiny_dir, "disaggregated", ENGINE)
+    try:
+        decode = c.router.pool.endpoints["decode-0"]
+
+        def tell_router(endpoint):
+            async def add():
+                c.router.add_worker(endpoint)
+            asyncio.run_coroutine_threadsafe(add(), c.loop).result(10)
+            deadline = time.monotonic() + 10
+            while not c.router.pool.healthy("decode-0"):  # the new entry waits for a heartbeat
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+        tell_router(replace(decode, kv_address="127.0.0.1:1"))
+        prefill_steps = c.hosts[0].engine.num_steps
+        with pytest.raises(grpc.RpcError) as info:
+            c.stub.GenerateUnary(request([0, 5, 6], max_tokens=4), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert (f"decode worker decode-0 reserved pages at KV address {decode.kv_address!r}, not at its known "
+                "KV endpoint '127.0.0.1:1': the prompt was not sent to prefill") in info.value.details()
+        assert c.hosts[0].engine.num_steps == prefill_steps  # nothing was prefilled, nothing sent
+        assert c.router.pool.rejected == {"kv_address": 1}
+        assert ('pdserve_rejected_messages_total{reason="kv_address",socket="worker_events"} 1.0'
+                in c.router.metrics.exposition().decode())
+        c.wait_pages_free()  # the decode reservation was aborted
+        tell_router(decode)
+        assert list(c.stub.GenerateUnary(request([0, 5, 6], max_tokens=4), timeout=30).token_ids) == \
+            hf_greedy(hf_tiny, [0, 5, 6], 4)[0]
+        c.wait_pages_free()
+    finally:
+        c.close()
 
 
 def test_a_request_id_already_in_flight_is_already_exists(cluster, hf_tiny):

@@ -37,6 +37,7 @@ class FakePool:
         self.dead: set[str] = set()
         self._queues: dict[str, asyncio.Queue] = {}
         self.involved: dict[str, set[str]] = {}
+        self.rejected: list[tuple[str, str]] = []  # (reason, detail) of events the journey refused
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         self._queues[request_id] = asyncio.Queue()
@@ -57,6 +58,12 @@ class FakePool:
 
     def incarnation(self, worker_id: str) -> str:
         return "1"
+
+    def kv_address(self, worker_id: str) -> str | None:
+        return "kv:1" if self.roles.get(worker_id) == "decode" else None  # what happy_workers reserve at
+
+    def reject(self, reason: str, detail: str) -> None:
+        self.rejected.append((reason, detail))
 
     def healthy(self, worker_id: str) -> bool:
         return worker_id not in self.dead
@@ -275,3 +282,25 @@ def test_events_from_workers_the_attempt_did_not_ask_are_dropped(tokenizer):
     assert ids(run(pool, tokenizer)) == [10, 11, 12, 13]
     [(worker, prefill)] = pool.commands(wm.Prefill)
     assert prefill.kv.address == "kv:1"  # the real reservation's address, not the forged one
+
+
+@pytest.mark.parametrize("named", ["kv:2", "evil.example:9", ""])
+def test_a_reservation_naming_another_kv_address_fails_before_any_prefill(tokenizer, named):
+    """The decode worker the attempt asked reserves pages but names a KV address other than the one
+    the cluster started it with: the prompt's KV would go there. The attempt fails, saying so, with
+    no Prefill sent; the reservation is aborted and the refusal counted."""
+    def elsewhere(worker_id, cmd):
+        if isinstance(cmd, wm.ReserveKV):
+            return [wm.Reserved(cmd.request_id, worker_id, named, 1, 0)]
+        return happy_workers(worker_id, cmd)
+
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, elsewhere)
+    with pytest.raises(RouterError) as err:
+        run(pool, tokenizer)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert f"decode worker d0 reserved pages at KV address {named!r}, not at its known KV endpoint 'kv:1'" in str(err.value)
+    assert not pool.commands(wm.Prefill)
+    assert [w for w, _ in pool.commands(wm.Abort)] == ["d0"]  # its reserved pages are freed
+    [(reason, detail)] = pool.rejected
+    assert reason == "kv_address" and detail.startswith("request r: decode worker d0")
+    assert all(not ids for ids in pool.involved.values())

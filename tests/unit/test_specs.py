@@ -106,6 +106,28 @@ def test_the_kv_destinations_are_the_decode_workers_kv_addresses_as_bound():
     assert kv_destinations(ranks) == (address_of(2),)
 
 
+def test_the_router_knows_each_decode_workers_kv_address_as_bound():
+    """The endpoint the router is given for a ready worker carries the KV address its Reserved
+    replies must name (router/attempt.py checks them); before ready() it has none to give."""
+    from dataclasses import replace
+
+    from cluster.worker_launch import WorkerSlot
+    from router.worker_pool import WorkerEndpoint
+
+    config = cluster()
+    slots = {role: WorkerSlot(f"{role}-0", role, 0, actor=None, command_address="node:1") for role in ("prefill", "decode")}
+    with pytest.raises(RuntimeError, match="has not reported ready"):
+        slots["decode"].endpoint()
+    for role, slot in slots.items():
+        slot.resolve(replace(worker_spec(config, role, 0, "node", "127.0.0.1", SECRET), host="10.0.0.7"))
+    assert slots["decode"].endpoint() == WorkerEndpoint("decode-0", "decode", "10.0.0.7:52200", "10.0.0.7:52400")
+    assert slots["prefill"].endpoint() == WorkerEndpoint("prefill-0", "prefill", "10.0.0.7:52100")
+    with pytest.raises(ValueError, match="a decode worker has a KV address"):
+        WorkerEndpoint("decode-0", "decode", "10.0.0.7:52200")
+    with pytest.raises(ValueError, match="no other role has one"):
+        WorkerEndpoint("prefill-0", "prefill", "10.0.0.7:52100", "10.0.0.7:52400")
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"role": "router"}, "unknown worker role 'router'"),
     ({"role": "decode"}, "a decode worker needs a kv_port"),
