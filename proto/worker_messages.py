@@ -24,6 +24,11 @@ from typing import Any
 
 import msgpack
 
+# The public API's seed is a uint64 (proto/pdserve.proto) and the engine takes [-2**63, 2**64)
+# (torch.Generator's range): on the wire it is checked against that range, not against int64
+# like every other int, or a valid seed >= 2**63 would make each worker drop the command.
+Seed = int
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -33,7 +38,7 @@ class Sampling:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: Seed | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
@@ -178,6 +183,12 @@ def _int(name: str, value: Any) -> int:
     return value
 
 
+def _seed(name: str, value: Any) -> int:
+    if type(value) is not int or not -(1 << 63) <= value < 1 << 64:
+        raise ValueError(f"{name} must be an int in [-2**63, 2**64), got {type(value).__name__}")
+    return value
+
+
 def _float(name: str, value: Any) -> float:
     if type(value) not in (int, float) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
@@ -216,7 +227,8 @@ def _nested(cls: type) -> Callable[[str, Any], Any]:
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "int": _int, "float": _float, "bool": _bool, "str": _str,
-    "int | None": _optional(_int), "float | None": _optional(_float), "str | None": _optional(_str),
+    "int | None": _optional(_int), "Seed | None": _optional(_seed), "float | None": _optional(_float),
+    "str | None": _optional(_str),
     "tuple[int, ...]": _items(_int), "tuple[float, ...]": _items(_float),
     "Sampling": _nested(Sampling), "KVDestination": _nested(KVDestination),
 }

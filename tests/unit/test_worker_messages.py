@@ -19,6 +19,8 @@ SAMPLING = wm.Sampling(max_tokens=8, temperature=0.5, stop_token_ids=(2, 3), ign
     wm.Prefill("r", (1, 2), SAMPLING, wm.KVDestination("127.0.0.1:1", 2, 0, 3.0)),
     wm.Tokens("r", "d0", (4, 5), (), True, "length", 16),
     wm.Load("d0", "decode", 0, 10, 1, "abc"),
+    # Every seed the public API takes (uint64) and the engine takes (down to -2**63) crosses.
+    *(wm.Generate("r", (1,), dataclasses.replace(SAMPLING, seed=seed)) for seed in (2**64 - 1, 2**63, -(2**63))),
 ])
 def test_messages_round_trip(message):
     assert wm.decode(wm.encode(message)) == message
@@ -48,6 +50,8 @@ def packed(**raw) -> bytes:
             finish_reason=None, num_cached_prompt_tokens=0), "finished must be a bool"),
     (packed(type="Load", worker_id="d0", role="decode", queued_tokens=2**64 - 1, free_pages=1, running=0,
             incarnation=""), "queued_tokens must be an int"),
+    (packed(type="Generate", request_id="r", prompt_token_ids=[1], sampling=dataclasses.asdict(SAMPLING) | {"seed": 1.5}),
+     r"seed must be an int in \[-2\*\*63, 2\*\*64\)"),  # msgpack cannot carry one outside it
     (b"\x81\x91\x01\x02", "not msgpack"),  # a map whose key is a list
 ])
 def test_malformed_messages_raise_value_error(data, reason):
