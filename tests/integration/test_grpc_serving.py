@@ -104,6 +104,10 @@ def test_text_prompt_and_stop_string(cluster, hf_tiny):
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0] * 2048)), "the model's context is 2048"),
         (request("x", max_tokens=0), "max_tokens must be >= 1"),
         (request("x", temperature=float("nan")), "temperature must be a finite number"),
+        (request("x", temperature=float("inf")), "temperature must be a finite number"),
+        (request("x", top_p=float("nan")), r"top_p must be in \(0, 1\]"),
+        (request("x", stop_token_ids=[2**32 - 1]), "stop_token_ids outside the vocabulary"),
+        (pb.GenerateRequest(text="x", timeout_s=float("nan")), r"timeout_s must be in \[0, 3600\]"),
         (request("x", top_p=1.5), r"top_p must be in \(0, 1\]"),
         (request("x", stop=[""]), "stop strings must be non-empty"),
         (pb.GenerateRequest(text="x", timeout_s=-1), r"timeout_s must be in \[0, 3600\]"),
@@ -117,13 +121,36 @@ def test_text_prompt_and_stop_string(cluster, hf_tiny):
         (pb.GenerateRequest(request_id="r" * 129, text="x"), "request_id must be 1-128 printable ASCII"),
     ],
 )
-def test_malformed_input_is_invalid_argument(cluster, req, message):
+def test_malformed_input_is_invalid_argument(cluster, hf_tiny, req, message):
     with pytest.raises(grpc.RpcError) as info:
         cluster.stub.GenerateUnary(req, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert re.search(message, info.value.details()), info.value.details()
-    # ... and the server goes on serving
-    assert cluster.stub.GenerateUnary(request([0, 5], max_tokens=2), timeout=30).usage.completion_tokens == 2
+    # ... and the server goes on serving, correctly
+    assert list(cluster.stub.GenerateUnary(request([0, 5], max_tokens=2), timeout=30).token_ids) == \
+        hf_greedy(hf_tiny, [0, 5], 2)[0]
+
+
+def test_a_message_over_the_grpc_size_limit_is_resource_exhausted(cluster, hf_tiny):
+    """gRPC itself refuses a request over 4 MiB (router/server.py MAX_REQUEST_BYTES) before it is parsed."""
+    with pytest.raises(grpc.RpcError) as info:
+        cluster.stub.GenerateUnary(pb.GenerateRequest(text="x" * (5 << 20)), timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in info.value.details() and "4194304" in info.value.details()
+    assert list(cluster.stub.GenerateUnary(request([0, 5], max_tokens=2), timeout=30).token_ids) == \
+        hf_greedy(hf_tiny, [0, 5], 2)[0]
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**63, 0])
+def test_every_seed_the_api_takes_is_served(cluster, seed):
+    """The API's seed is a uint64; one at or above 2**63 once failed the workers' wire check, so
+    each worker dropped the command and the request hung until its deadline. The same seed gives
+    the same sampled tokens twice."""
+    req = request([0, 5, 6], max_tokens=4, temperature=1.0, seed=seed)
+    first = cluster.stub.GenerateUnary(req, timeout=15)
+    assert len(first.token_ids) == 4
+    assert cluster.stub.GenerateUnary(req, timeout=15).token_ids == first.token_ids
+    cluster.wait_pages_free()
 
 
 @pytest.mark.parametrize(
@@ -151,6 +178,25 @@ def test_cancel_mid_stream_frees_pages(cluster):
     cluster.wait_pages_free()
     # Freed by the abort, not by running to its 1,500 tokens.
     assert cluster.hosts[-1].engine.num_steps - steps_before < 1000
+
+
+def test_cancel_of_a_unary_call_mid_generation_frees_pages(cluster):
+    """Not streaming: the client cancels while the router is still collecting tokens."""
+    steps_before = cluster.hosts[-1].engine.num_steps
+    call = cluster.stub.GenerateUnary.future(request([0] + list(range(600, 700)), max_tokens=1500), timeout=60)
+    deadline = time.monotonic() + 10
+    while cluster.router.num_in_flight == 0 or cluster.hosts[-1].engine.num_steps == steps_before:
+        assert time.monotonic() < deadline  # admitted and generating
+        time.sleep(0.01)
+    call.cancel()
+    with pytest.raises(grpc.FutureCancelledError):
+        call.result()
+    deadline = time.monotonic() + 5
+    while cluster.router.num_in_flight:
+        assert time.monotonic() < deadline, "the request outlived its client"
+        time.sleep(0.01)
+    cluster.wait_pages_free()
+    assert cluster.hosts[-1].engine.num_steps - steps_before < 1000  # aborted, not run to its end
 
 
 def test_deadline_expiry_aborts_and_frees_pages(cluster):
