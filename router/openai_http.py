@@ -28,6 +28,7 @@ from aiohttp import web
 
 from proto import pdserve_pb2 as pb
 from router.journey_state import RouterError
+from router.openai_request import BadRequest, max_body_bytes, read_body, to_grpc
 from router.request_ids import new_client_id
 from router.security import OPEN_HTTP_PATHS
 from router.server import Router
@@ -49,12 +50,6 @@ REQUEST_ID_HEADER = "X-Request-Id"
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 def error_response(status: int, message: str, kind: str, param: str | None = None,
                    code: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
@@ -70,7 +65,9 @@ class OpenAIServer:
         template = config.get("chat_template") or DEFAULT_CHAT_TEMPLATE
         self.chat_template = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
         self.security = router.spec.security
-        self.app = web.Application(middlewares=[self._check_key] if self.security.api_key else [])
+        self.max_body_bytes = max_body_bytes(router.limits.max_prompt_bytes)
+        self.app = web.Application(middlewares=[self._check_key] if self.security.api_key else [],
+                                   client_max_size=self.max_body_bytes)
         self.app.add_routes([
             web.get("/health", self.health), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
@@ -125,14 +122,12 @@ class OpenAIServer:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-            grpc_request = self._to_grpc(body, chat)
-        except (BadRequest, json.JSONDecodeError, ValueError, TypeError) as exc:
-            return error_response(400, str(exc), "invalid_request_error", getattr(exc, "param", None))
-        except RecursionError:
-            return error_response(400, "the request body is nested too deeply", "invalid_request_error")
+            body = await read_body(request, self.max_body_bytes)
+            grpc_request = to_grpc(body, chat, self.model_name, self.chat_template)
+        except BadRequest as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error", exc.param)
+        except (ValueError, TypeError) as exc:  # not JSON (json.JSONDecodeError), not UTF-8, ...
+            return error_response(400, str(exc), "invalid_request_error")
         client_id = request.headers.get(REQUEST_ID_HEADER) or new_client_id()
         try:
             check_request_id(client_id, self.router.limits)
@@ -229,64 +224,3 @@ class OpenAIServer:
             body["usage"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                              "total_tokens": usage.prompt_tokens + usage.completion_tokens}
         return body
-
-    def _to_grpc(self, body: dict, chat: bool) -> pb.GenerateRequest:
-        if body.get("n", 1) != 1:
-            raise BadRequest("only n=1 is supported", "n")
-        if body.get("model") not in (None, self.model_name):
-            raise BadRequest(f"model {body.get('model')!r} is not served here; use {self.model_name!r}", "model")
-        req = pb.GenerateRequest()
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-                raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-            req.text = self.chat_template.render(messages=messages, add_generation_prompt=True)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, str):
-                req.text = prompt
-            elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                  for t in prompt):
-                req.token_ids.ids.extend(prompt)
-            else:
-                raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
-        s = req.sampling
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        for name, value, kind in (("max_tokens", max_tokens, int), ("temperature", body.get("temperature"), float),
-                                  ("top_p", body.get("top_p"), float), ("top_k", body.get("top_k"), int),
-                                  ("seed", body.get("seed"), int)):
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-                raise BadRequest(f"{name} must be a number", name)
-            if kind is int and value < 0:
-                raise BadRequest(f"{name} must be >= 0", name)
-            setattr(s, name, value)
-        stop = body.get("stop")
-        if stop is not None:
-            stops = [stop] if isinstance(stop, str) else stop
-            if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-                raise BadRequest("stop must be a string or a list of strings", "stop")
-            s.stop.extend(stops)
-        s.ignore_eos = bool(body.get("ignore_eos", False))
-        s.logprobs = self._wants_logprobs(body, chat)
-        return req
-
-    @staticmethod
-    def _wants_logprobs(body: dict, chat: bool) -> bool:
-        """Chat: `logprobs: true` (`top_logprobs` 0); completions: `logprobs: 0`. The chosen tokens'
-        log-probabilities come back; top alternatives are refused, not silently dropped."""
-        if chat:
-            wanted, top, name = body.get("logprobs"), body.get("top_logprobs"), "top_logprobs"
-            if wanted not in (None, True, False):
-                raise BadRequest("logprobs must be a boolean", "logprobs")
-        else:
-            top, name = body.get("logprobs"), "logprobs"
-            wanted = top is not None
-        if top not in (None, 0) or isinstance(top, bool):
-            raise BadRequest(f"{name} alternatives are not supported: ask for {name}: 0 (the chosen tokens' "
-                             "log-probabilities only)", name)
-        return bool(wanted)

@@ -113,6 +113,64 @@ def test_malformed_json_is_400(served):
     assert info.value.code == 400 and "error" in json.loads(info.value.read())
 
 
+def body(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "max_tokens": 2, **fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("data", "content_type", "status", "param", "message"),
+    [
+        (body(prompt="x"), "text/plain", 415, "Content-Type", "'text/plain' is not supported: send application/json"),
+        (body(prompt="x"), "application/x-www-form-urlencoded", 415, "Content-Type", "is not supported"),  # curl -d
+        (b"not json", "application/json", 400, None, "Expecting value"),
+        (b'{"prompt": "\xff"}', "application/json", 400, None, "utf-8"),
+        (b"[1, 2]", "application/json", 400, None, "must be a JSON object"),
+        (body(prompt="x" * (1 << 20 | 1)), "application/json", 400, None, r"router.max_prompt_bytes \(1048576 bytes\)"),
+        (body(prompt="x" * (7 << 20)), "application/json", 413, None, r"body is over 7340032 bytes \(6 x router"),
+        (body(prompt=[0] * 2048), "application/json", 400, None, "the model's context is 2048"),
+        (body(prompt=[0, 999999]), "application/json", 400, None, r"token ids outside \[0, 4096\)"),
+        (body(prompt=[0, 2**40]), "application/json", 400, "prompt", "list of token ids"),
+        (b'{"prompt": "x", "temperature": NaN}', "application/json", 400, None, "temperature must be a finite number"),
+        (b'{"prompt": "x", "top_p": Infinity}', "application/json", 400, None, r"top_p must be in \(0, 1\]"),
+        (body(prompt="x", max_tokens=10**12), "application/json", 400, "max_tokens", "max_tokens is out of range"),
+        (body(prompt="x", seed=2**64), "application/json", 400, "seed", "seed is out of range"),
+        (body(prompt="x", stop=["s"] * 20000), "application/json", 400, None, r"over router.max_stop_strings \(16\)"),
+        (body(prompt="x", stop=["s" * 100_000]), "application/json", 400, None, r"router.max_stop_string_chars \(256\)"),
+        (body(prompt="x", stop_token_ids=[1] * 65), "application/json", 400, None,
+         r"65 stop token ids: over router.max_stop_token_ids \(64\)"),
+        (body(prompt="x", stop_token_ids=[4095, "1"]), "application/json", 400, "stop_token_ids", "list of token ids"),
+    ],
+    ids=["text-plain", "form", "not-json", "not-utf8", "not-object", "prompt-bytes", "body-bytes", "over-context",
+         "out-of-vocab", "over-uint32-id", "nan-temperature", "inf-top-p", "max-tokens-range", "seed-range",
+         "stop-count", "stop-length", "stop-token-ids-count", "stop-token-ids-type"],
+)
+def test_bad_bodies_get_their_status_in_openai_shape(served, hf_tiny, data, content_type, status, param, message):
+    """Each bad body is refused with its HTTP status and OpenAI's error shape (never a plain-text
+    or 500 answer), the limit or field named; then the server still answers correctly."""
+    cluster, client, port = served
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=data,
+                                 headers={"Content-Type": content_type})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == status
+    err = json.loads(info.value.read())["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    import re
+
+    assert re.search(message, err["message"]), err
+    out = client.completions.create(model=MODEL, prompt=[0, 5], max_tokens=3, logprobs=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == cluster.router.tokenizer.decode(hf_greedy(hf_tiny, [0, 5], 3)[0])
+
+
+def test_stop_token_ids_end_an_http_completion(served, hf_tiny):
+    """vLLM's `stop_token_ids` extra parameter: the completion stops at the first one generated."""
+    _, client, _ = served
+    want = hf_greedy(hf_tiny, [0, 5, 6], 8)[0]
+    out = client.completions.create(model=MODEL, prompt=[0, 5, 6], max_tokens=8,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [want[3]]})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == want.index(want[3]) + 1
+
+
 def test_logprobs_over_http_match_hf(served, hf_tiny):
     cluster, client, _ = served
     prompt = [0] + list(range(700, 720))
