@@ -170,6 +170,20 @@ class OpenAIServer:
                                           REQUEST_ID_HEADER: client_id})
         await out.prepare(request)
         try:
+            await self._stream(out, first, responses, rid, created, chat)
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        except ConnectionResetError:
+            # The client left between two writes, before aiohttp cancelled this handler (aiohttp's
+            # ClientConnectionResetError): not a server error, so no traceback. The caller's
+            # aclosing ends the journey, which aborts the request on every worker (CANCELLED).
+            pass
+        return out
+
+    async def _stream(self, out: web.StreamResponse, first, responses, rid: str, created: int, chat: bool) -> None:
+        """Server-sent events, one per response with something to say; an error after the first
+        token is an OpenAI-shaped error event."""
+        try:
             if chat:  # OpenAI streams the role first
                 await self._event(out, self._body(rid, created, chat, None, None, None, final=False, stream=True))
             response, offset = first, 0
@@ -187,9 +201,6 @@ class OpenAIServer:
         except RouterError as exc:
             status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
             await self._event(out, {"error": {"message": str(exc), "type": kind, "param": None, "code": status}})
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
 
     def _logprobs(self, chat: bool, token_ids, logprobs, offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for these tokens (None when the request did not ask): the
