@@ -124,6 +124,15 @@ class TransferRecord:
     state: TransferState
     num_bytes: int  # page payload bytes handed to (sender) or written from (receiver) the transport
     duration_s: float  # first page frame -> the end (0 when no page moved, e.g. all cached)
+    reason: str = ""  # why it did not end DONE: "corrupt" (a checksum failed or was missing), else the state
+
+    @property
+    def failure_reason(self) -> str:
+        return self.reason or self.state.value
+
+
+class CorruptFrame(ValueError):
+    """A page frame whose checksum is missing (where required) or does not match its bytes."""
 
 
 TransferObserver = Callable[[TransferRecord], None]
@@ -141,6 +150,6 @@ class TransferProgress:
         if self.first_frame_at is None:
             self.first_frame_at = now
 
-    def record(self, side: str, request_id: str, state: TransferState, now: float) -> TransferRecord:
+    def record(self, side: str, request_id: str, state: TransferState, now: float, reason: str = "") -> TransferRecord:
         return TransferRecord(side, request_id, state, self.num_bytes,
-                              0.0 if self.first_frame_at is None else now - self.first_frame_at)
+                              0.0 if self.first_frame_at is None else now - self.first_frame_at, reason)

@@ -20,6 +20,7 @@ import torch
 
 from engine.kv_cache import KVCache
 from engine.kv_transfer.frames import (
+    CorruptFrame,
     Frame,
     TransferObserver,
     TransferProgress,
@@ -93,6 +94,8 @@ class KVReceiver:
                 self._end(request_id, TransferState.ABORTED, str(frame.header.get("reason", "")))
             else:
                 raise ValueError(f"unknown frame kind {kind!r}")
+        except CorruptFrame as exc:  # counted apart: corruption on the wire, not a bad peer
+            self._end(request_id, TransferState.FAILED, str(exc), reason="corrupt")
         except (ValueError, TypeError, KeyError, RuntimeError) as exc:  # this transfer fails, nothing else
             self._end(request_id, TransferState.FAILED, str(exc))
 
@@ -116,9 +119,9 @@ class KVReceiver:
         if first < 0 or first + num > len(entry.page_ids):
             raise ValueError(f"pages [{first}, {first + num}) outside the {len(entry.page_ids)} reserved")
         if self.require_checksum and "crc32" not in h:
-            raise ValueError(f"pages [{first}, {first + num}) came without the required checksum")
+            raise CorruptFrame(f"pages [{first}, {first + num}) came without the required checksum")
         if "crc32" in h and page_checksum(h, frame.payload) != h["crc32"]:
-            raise ValueError(f"checksum mismatch in pages [{first}, {first + num})")
+            raise CorruptFrame(f"checksum mismatch in pages [{first}, {first + num})")
         # The frame must be exactly what this cache holds for `num` pages: dtype, shape and size.
         dtype, shape = self.kv_cache.dtype, self.kv_cache.pages_shape(num)
         if h.get("dtype") != str(dtype).removeprefix("torch.") or h.get("shape") != list(shape):
@@ -137,11 +140,12 @@ class KVReceiver:
         # not the whole prefill (a long prompt streamed chunk by chunk never expires midway).
         entry.deadline = max(entry.deadline, now + entry.timeout_s)
 
-    def _end(self, request_id: str, state: TransferState, detail: str = "", first_token: int | None = None) -> None:
+    def _end(self, request_id: str, state: TransferState, detail: str = "", first_token: int | None = None,
+             reason: str = "") -> None:
         entry = self._incoming.pop(request_id)
         self._outcomes.append(TransferResult(request_id, state, detail, first_token))
         if self.observer is not None:
-            self.observer(entry.progress.record("receive", request_id, state, self.clock()))
+            self.observer(entry.progress.record("receive", request_id, state, self.clock(), reason))
 
 
 def poll(receiver: KVReceiver, transport: BaseFrameReceiver, timeout_s: float) -> list[TransferResult]:

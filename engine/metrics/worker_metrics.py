@@ -143,7 +143,9 @@ class WorkerMetrics:
         self._transfer_bytes = counter("kv_transfer_bytes", "KV page bytes moved", ("direction",))
         self._transfer_time = histogram("kv_transfer_seconds", "First page frame to the transfer's end, by side",
                                         ("side",))
-        self._transfer_failures = counter("kv_transfer_failures", "Transfers that did not end DONE", ("side", "reason"))
+        self._transfer_failures = counter("kv_transfer_failures",
+                                          "Transfers not ended DONE, by side and reason (corrupt, failed, expired, aborted)",
+                                          ("side", "reason"))
 
         self._prefill_window, self._decode_window = _Window(window_s, clock), _Window(window_s, clock)
         self._flops_window, self._bytes_window = _Window(window_s, clock), _Window(window_s, clock)
@@ -186,7 +188,7 @@ class WorkerMetrics:
         self._transfer_bytes.labels(*self._values, direction).inc(record.num_bytes)
         self._transfer_time.labels(*self._values, record.side).observe(record.duration_s)
         if record.state is not TransferState.DONE:
-            self._transfer_failures.labels(*self._values, record.side, record.state.value).inc()
+            self._transfer_failures.labels(*self._values, record.side, record.failure_reason).inc()
 
     # -- exposition ---------------------------------------------------------------------------------
     def exposition(self) -> bytes:

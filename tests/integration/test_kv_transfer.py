@@ -14,6 +14,8 @@ from engine import LLMEngine, SamplingParams
 from engine.kv_transfer import KVReceiver, KVSender, TransferState, TransportError, poll
 from engine.kv_transfer.inproc import InProcChannel
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
+from engine.metrics.peak import Peak
+from engine.metrics.worker_metrics import WorkerMetrics
 from proto.frame_auth import ClusterSecret
 from tests.helpers import DeviceTensor, assert_no_page_leak, hf_greedy
 
@@ -95,12 +97,15 @@ def test_streamed_pages_decode_like_hf(link, pair, hf_tiny):
 
 
 def test_corrupted_page_fails_the_transfer():
+    """A flipped payload byte fails the transfer, and live metrics count it as reason "corrupt"
+    (pdserve_worker_kv_transfer_failures_total{reason="corrupt"}), apart from other failures."""
     channel = InProcChannel()
     prefill = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4))
     decode = LLMEngine(EngineConfig(model="builtin:tiny", page_size=4))
     prompt = [0] + list(range(50, 60))
     res = decode.handoff.reserve("r", prompt)
-    receiver = KVReceiver(decode.kv_cache)
+    records = []
+    receiver = KVReceiver(decode.kv_cache, observer=records.append)
     receiver.expect("r", list(res.page_ids), timeout_s=10)
     prefill_first_token(prefill, "r", prompt)
     sender = KVSender(channel.sender, checksum=True)
@@ -111,6 +116,11 @@ def test_corrupted_page_fails_the_transfer():
     prefill.handoff.release("r")
     [outcome] = wait_outcome(receiver, channel.receiver)
     assert outcome.state is TransferState.FAILED and "checksum mismatch" in outcome.detail
+    [record] = records
+    assert record.state is TransferState.FAILED and record.failure_reason == "corrupt"
+    metrics = WorkerMetrics(decode, "decode-0", "decode", Peak.configured(10, 1))
+    metrics.observe_transfer(record)
+    assert 'reason="corrupt"' in metrics.exposition().decode()
     decode.handoff.cancel("r")
     assert receiver.num_pending == 0
     assert_no_page_leak(prefill)
