@@ -3,8 +3,8 @@
 The loader (engine/model/loader.py) resolves a `builtin:NAME` model to a directory in the cache,
 building it on first use: a byte-level BPE tokenizer trained on a fixed local corpus (this
 Python's standard library sources) and a deterministically, randomly initialised Llama
-checkpoint, both written in Hugging Face format so transformers (and any other tool) loads the
-same files. Building a name twice gives identical bytes.
+checkpoint, both written in Hugging Face format (engine/model/hf_files.py) so transformers (and
+any other tool) loads the same files. Building a name twice gives identical bytes.
 
 Why the init scale is large: with tied embeddings and the usual std=0.02, the residual stream
 is dominated by the input embedding, so the tied output layer scores the current token
@@ -15,7 +15,6 @@ the prompt (tests/unit/test_builtin_models.py checks this).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sysconfig
@@ -24,12 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
+
+from engine.model.hf_files import llama_config, write_bpe_tokenizer, write_checkpoint
 
 BUILTIN_PREFIX = "builtin:"
 FORMAT_VERSION = "v1"  # bump when the recipe changes, so stale caches are not reused
-SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2: bos, eos, pad
 
 
 @dataclass(frozen=True)
@@ -96,19 +95,13 @@ def build_builtin(name: str, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     with tqdm(total=3, desc=f"building builtin:{name}", unit="step", disable=None) as bar:
         bar.set_postfix_str("training tokenizer")
-        _write_tokenizer(spec, out)
+        write_bpe_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, _corpus_lines(spec.corpus_bytes))
         bar.update()
         bar.set_postfix_str("initialising weights")
         tensors = _init_weights(spec)
         bar.update()
         bar.set_postfix_str("writing safetensors")
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(_hf_config(spec), indent=2, sort_keys=True) + "\n")
-        (out / "generation_config.json").write_text(
-            json.dumps({"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "do_sample": False},
-                       indent=2, sort_keys=True) + "\n"
-        )
-        (out / "pdserve_builtin.json").write_text(json.dumps({"name": name, **asdict(spec)}, indent=2) + "\n")
+        write_checkpoint(out, _hf_config(spec), tensors, {"name": name, **asdict(spec)})
         bar.update()
     return out
 
@@ -127,37 +120,6 @@ def _corpus_lines(limit_bytes: int):
             if total > limit_bytes:
                 return
             yield line
-
-
-def _write_tokenizer(spec: BuiltinSpec, out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=spec.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_corpus_lines(spec.corpus_bytes), trainer=trainer)
-    # Llama-style: every encoded prompt starts with <s>.
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
-    )
-    tok.save(str(out / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "pad_token": "<pad>",
-        "model_max_length": spec.max_position_embeddings,
-        "clean_up_tokenization_spaces": False,
-        "add_bos_token": True,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
-    (out / "special_tokens_map.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}, indent=2) + "\n"
-    )
 
 
 def _init_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
@@ -185,24 +147,8 @@ def _init_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
 
 
 def _hf_config(spec: BuiltinSpec) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
-        "torch_dtype": "float32",
-    }
+    return llama_config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+    )
