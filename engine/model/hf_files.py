@@ -51,6 +51,14 @@ def write_bpe_tokenizer(out: Path, vocab_size: int, model_max_length: int, lines
     )
 
 
+def copy_tokenizer(src: Path, out: Path) -> None:
+    """The tokenizer files of checkpoint `src` into `out` (a draft shares its target's tokenizer):
+    tokenizer.json, and the two optional ones where `src` has them."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if name == "tokenizer.json" or (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+
+
 def llama_config(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
                  intermediate_size: int, max_position_embeddings: int) -> dict:
     """config.json of a Llama with tied embeddings and the built-ins' special-token ids."""

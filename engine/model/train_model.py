@@ -1,0 +1,102 @@
+"""The model the trainers fit: a Hugging Face `LlamaForCausalLM` of a given shape, seeded.
+
+Between the corpus (engine/model/train_corpus.py) and the loops (engine/model/train.py,
+engine/model/distill.py): `ModelShape` -> config.json (engine/model/hf_files.py) -> the
+transformers model, initialised from a seed -> trained -> `checkpoint_tensors`, the state dict
+written as model.safetensors. Training in transformers' own Llama means the saved checkpoint
+is, by construction, what transformers (the engine's correctness oracle) and
+engine/model/loader.py read back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.model.hf_files import llama_config
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+    def hf_config(self) -> dict:
+        return llama_config(**asdict(self))
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> ModelShape:
+        cfg = model.config
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                   cfg.num_key_value_heads or cfg.num_attention_heads, cfg.intermediate_size,
+                   cfg.max_position_embeddings)
+
+    def num_parameters(self) -> int:
+        """Weights, counting the tied embedding once."""
+        head_dim = self.hidden_size // self.num_heads
+        attn = self.hidden_size * head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        return self.vocab_size * self.hidden_size + self.num_layers * per_layer + self.hidden_size
+
+
+def build_model(shape: ModelShape, seed: int) -> LlamaForCausalLM:
+    """A fresh model: weights ~ N(0, 0.02) drawn from `seed` (the residual-stream outputs,
+    o_proj and down_proj, scaled down by sqrt(2 * layers) so the stream's variance does not
+    grow with depth), norms at 1. Depends on nothing but the shape and the seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_dict(shape.hf_config(), attn_implementation="sdpa")
+    # transformers initialises from the global generator; keep the caller's stream untouched,
+    # every value is overwritten below.
+    with torch.random.fork_rng():
+        model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = INIT_STD / math.sqrt(2 * shape.num_layers)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):  # the tied lm_head is the embedding
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+    return model.float().train()
+
+
+def load_hf_model(path: Path) -> PreTrainedModel:
+    """A checkpoint written by `checkpoint_tensors` (or any Llama-family directory) as transformers
+    loads it, in float32: a distillation target."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as the built-ins store it: float32, without the tied lm_head copy."""
+    return {name: t.detach().float().contiguous().clone()
+            for name, t in model.state_dict().items() if name != "lm_head.weight"}
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the weights in name order: equal digests, equal weights, bit for bit."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].numpy().tobytes())
+    return h.hexdigest()
