@@ -5,6 +5,8 @@
     pdserve down configs/local.yaml                     # stop it from another terminal
     pdserve complete "def add(a, b):" --max-tokens 32   # offline, in-process, no cluster
     pdserve model build builtin:tiny --out ./tiny       # write a checkpoint
+    pdserve model train --out ./code-small              # train a small code model (~12 min on 2 cores)
+    pdserve model distill --out ./code-draft            # distil a draft from builtin:code-small
 
     pdserve bench --address 127.0.0.1:50051 --workload mixed --rates 1,2   # load-test a router
     pdserve bench compare a.yaml b.yaml --workload mixed                 # each config in turn, ratios
@@ -19,7 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from cluster import cmd_bench, cmd_cluster, cmd_requests
+from cluster import cmd_bench, cmd_cluster, cmd_model, cmd_requests
 from cluster.client_auth import add_client_auth_args
 
 
@@ -91,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve",
         description="pdserve: disaggregated prefill/decode LLM serving. Models are 'builtin:tiny', "
-        "'builtin:small' (made locally on first use) or a local Hugging Face directory "
+        "'builtin:small' (random, made locally on first use), 'builtin:code-small', 'builtin:code-draft' "
+        "(trained locally on first use) or a local Hugging Face directory "
         "(Llama, Mistral or Qwen2 family, safetensors weights).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,13 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each cluster (default 300)")
     compare.set_defaults(func=cmd_bench.bench_compare)
 
-    model = sub.add_parser("model", help="manage checkpoints")
-    model_sub = model.add_subparsers(dest="model_command", required=True)
-    build = model_sub.add_parser("build", help="write a built-in model in Hugging Face format to a directory")
-    build.add_argument("name", help="builtin:tiny or builtin:small")
-    build.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, tokenizer.json)")
-    build.add_argument("--force", action="store_true", help="write into a non-empty directory")
-    build.set_defaults(func=cmd_requests.model_build)
+    cmd_model.add_model_commands(sub)
     return parser
 
 

@@ -1,10 +1,9 @@
-"""`pdserve complete`, `generate`, `demo` and `model build`: one prompt in-process, to a running
-router, or through a cluster started for it (cluster/lifecycle.py), and writing a checkpoint."""
+"""`pdserve complete`, `generate` and `demo`: one prompt in-process, to a running router, or
+through a cluster started for it (cluster/lifecycle.py)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -50,21 +49,6 @@ def complete(args: argparse.Namespace) -> int:
                     f"TTFT {1000 * (first_token_at - start):.1f} ms, {n / elapsed:.1f} tok/s]",
                     file=sys.stderr,
                 )
-    return 0
-
-
-def model_build(args: argparse.Namespace) -> int:
-    from engine.model.builtin import build_builtin, parse_builtin
-
-    name = parse_builtin(args.name)
-    if name is None:
-        raise SystemExit(f"pdserve: {args.name!r} is not a built-in model name (builtin:tiny, builtin:small)")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise SystemExit(f"pdserve: {args.out} exists and is not a directory")
-    if os.path.exists(args.out) and os.listdir(args.out) and not args.force:
-        raise SystemExit(f"pdserve: {args.out} exists and is not empty (use --force to overwrite)")
-    out = build_builtin(name, args.out)
-    print(f"wrote {args.name} to {out}")
     return 0
 
 

@@ -1,20 +1,23 @@
-"""Built-in checkpoints (`builtin:tiny`, `builtin:small`): made locally, since no hub is reachable.
+"""Built-in checkpoints: made locally, since no hub is reachable.
 
 The loader (engine/model/loader.py) resolves a `builtin:NAME` model to a directory in the cache,
-building it on first use: a byte-level BPE tokenizer trained on a fixed local corpus (this
-Python's standard library sources) and a deterministically, randomly initialised Llama
-checkpoint, both written in Hugging Face format (engine/model/hf_files.py) so transformers (and
-any other tool) loads the same files. Building a name twice gives identical bytes.
+building it on first use. `builtin:tiny` and `builtin:small` are made here: a byte-level BPE
+tokenizer trained on a fixed local corpus (this Python's standard library sources) and a
+deterministically, randomly initialised Llama checkpoint, both written in Hugging Face format
+(engine/model/hf_files.py) so transformers (and any other tool) loads the same files. Building a
+name twice gives identical bytes. `builtin:code-small` and `builtin:code-draft` are trained on
+that corpus instead (engine/model/trained_builtins.py: minutes, not seconds); this module names
+them and caches them the same way.
 
 Why the init scale is large: with tied embeddings and the usual std=0.02, the residual stream
 is dominated by the input embedding, so the tied output layer scores the current token
 highest and greedy decoding repeats it forever - an equality test against any reference would
 then pass almost blindly. A larger std lets the layers dominate, and continuations depend on
-the prompt (tests/unit/test_builtin_models.py checks this).
-"""
+the prompt (tests/unit/test_builtin_models.py checks this)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import sysconfig
@@ -49,6 +52,12 @@ BUILTIN_SPECS = {
     "tiny": BuiltinSpec(4096, 256, 4, 8, 4, 704, 2048, init_std=0.2, corpus_bytes=2_000_000, seed=1234),
     "small": BuiltinSpec(32000, 768, 12, 12, 4, 2048, 4096, init_std=0.15, corpus_bytes=6_000_000, seed=5678),
 }
+# Trained on the corpus by engine/model/trained_builtins.py, which owns their recipes and cache names.
+TRAINED_NAMES = ("code-small", "code-draft")
+
+
+def builtin_names() -> list[str]:
+    return [BUILTIN_PREFIX + n for n in (*BUILTIN_SPECS, *TRAINED_NAMES)]
 
 
 def default_cache_dir() -> Path:
@@ -60,39 +69,59 @@ def parse_builtin(model: str) -> str | None:
     if not model.startswith(BUILTIN_PREFIX):
         return None
     name = model[len(BUILTIN_PREFIX) :]
-    if name not in BUILTIN_SPECS:
-        raise ValueError(f"unknown built-in model {model!r}; choose one of "
-                         f"{[BUILTIN_PREFIX + n for n in BUILTIN_SPECS]}")
+    if name not in BUILTIN_SPECS and name not in TRAINED_NAMES:
+        raise ValueError(f"unknown built-in model {model!r}; choose one of {builtin_names()}")
     return name
+
+
+def cache_entry_name(name: str) -> str:
+    """The cache directory's name: it changes with the recipe's version, so a stale build is never reused."""
+    if name in TRAINED_NAMES:
+        from engine.model.trained_builtins import trained_cache_entry_name
+
+        return trained_cache_entry_name(name)
+    return f"builtin-{name}-{FORMAT_VERSION}"
 
 
 def ensure_builtin(name: str, cache_dir: str | Path | None = None) -> Path:
     """Returns the directory of built-in model `name`, building it into the cache if absent."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"builtin-{name}-{FORMAT_VERSION}"
+    entry = cache_entry_name(name)
+    target = root / entry
     if (target / "model.safetensors").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a crash never leaves a half-written model that a
-    # later run would mistake for a finished one.
-    tmp = Path(tempfile.mkdtemp(prefix=f".building-{name}-", dir=root))
-    try:
-        build_builtin(name, tmp)
+    # One builder per entry: the workers of a cluster starting together would otherwise each
+    # train a trained built-in for minutes. The others wait here, then find it finished.
+    with open(root / f".{entry}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "model.safetensors").is_file():
+            return target
+        # Build beside the target and rename, so a crash never leaves a half-written model that a
+        # later run would mistake for a finished one.
+        tmp = Path(tempfile.mkdtemp(prefix=f".building-{name}-", dir=root))
         try:
-            tmp.rename(target)
-        except OSError:  # another process finished first; its bytes are identical
+            build_builtin(name, tmp, root)
+            try:
+                tmp.rename(target)
+            except OSError:  # another process finished first; its bytes are identical
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            raise
     return target
 
 
-def build_builtin(name: str, out_dir: str | Path) -> Path:
-    """Writes built-in model `name` in Hugging Face format into `out_dir`."""
-    spec = BUILTIN_SPECS[name]
+def build_builtin(name: str, out_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Writes built-in model `name` in Hugging Face format into `out_dir` (a trained one whose
+    recipe starts from another built-in, the draft, finds that one in `cache_dir`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if name in TRAINED_NAMES:
+        from engine.model.trained_builtins import build_trained
+
+        return build_trained(name, out, cache_dir)
+    spec = BUILTIN_SPECS[name]
     with tqdm(total=3, desc=f"building builtin:{name}", unit="step", disable=None) as bar:
         bar.set_postfix_str("training tokenizer")
         write_bpe_tokenizer(out, spec.vocab_size, spec.max_position_embeddings, _corpus_lines(spec.corpus_bytes))

@@ -1,12 +1,12 @@
 """Distilling a draft model from a target: the draft learns the target's next-token distributions.
 
-The trained built-in draft (`builtin:code-draft`, next) runs `distill_checkpoint`: the target
-checkpoint (its tokenizer is the draft's) -> the corpus's train split as token streams
-(engine/model/train_corpus.py) -> a seeded draft (engine/model/train_model.py), starting from
-every target tensor it shares by name and shape -> `distill`, the shared loop
-(engine/model/train_loop.py) minimising KL(target || draft) at temperature 1 on the same text ->
-held-out loss, KL and top-1 agreement with the target (what speculative decoding's acceptance
-rate follows) -> the checkpoint in Hugging Face format.
+`pdserve model distill` and the first use of `builtin:code-draft` (engine/model/trained_builtins.py)
+run `distill_checkpoint`: the target checkpoint (its tokenizer is the draft's) -> the corpus's
+train split as token streams (engine/model/train_corpus.py) -> a seeded draft
+(engine/model/train_model.py), starting from every target tensor it shares by name and shape ->
+`distill`, the shared loop (engine/model/train_loop.py) minimising KL(target || draft) at
+temperature 1 on the same text -> held-out loss, KL and top-1 agreement with the target (what
+speculative decoding's acceptance rate follows) -> the checkpoint in Hugging Face format.
 """
 
 from __future__ import annotations

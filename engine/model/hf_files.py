@@ -1,7 +1,8 @@
 """The Hugging Face files every built-in checkpoint is made of, written byte-for-byte reproducibly.
 
 Last stop of every built-in build: engine/model/builtin.py (random `builtin:tiny` / `builtin:small`)
-writes its tokenizer, config.json, generation_config.json and safetensors weights through here, so
+and engine/model/trained_builtins.py (trained `builtin:code-small` / `builtin:code-draft`) write
+their tokenizer, config.json, generation_config.json and safetensors weights through here, so
 transformers and engine/model/loader.py read the same directory. JSON is written with sorted
 keys and the tokenizer trainer is deterministic: the same inputs give the same bytes.
 """

@@ -1,7 +1,8 @@
 """From a model name to a ready model and tokenizer: resolve, read config, load weights.
 
 First stop of engine start-up (engine/engine.py). `builtin:NAME` resolves to the built-in
-checkpoint (built into the cache on first use); anything else must be a local Hugging Face
+checkpoint (built into the cache on first use: seconds for the random ones, minutes of training
+for `builtin:code-small` / `builtin:code-draft`); anything else must be a local Hugging Face
 directory with config.json and safetensors weights (a single file or an index of shards).
 """
 
@@ -15,7 +16,7 @@ from safetensors import safe_open
 
 from engine import huge_pages
 from engine.model.attention import AttentionBackend
-from engine.model.builtin import ensure_builtin, parse_builtin
+from engine.model.builtin import builtin_names, ensure_builtin, parse_builtin
 from engine.model.compute_dtype import DTYPES  # noqa: F401  (re-exported for the benchmarks)
 from engine.model.config import ModelConfig
 from engine.model.layers import ParallelContext
@@ -29,7 +30,7 @@ def resolve_model_path(model: str, cache_dir: str | None = None) -> Path:
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {model!r} is neither a built-in name (builtin:tiny, builtin:small) nor a local directory"
+            f"model {model!r} is neither a built-in name ({', '.join(builtin_names())}) nor a local directory"
         )
     return path
 

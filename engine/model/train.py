@@ -1,10 +1,10 @@
 """Training a target model on the corpus: next-token cross-entropy, then the held-out loss.
 
-The trained built-in target (`builtin:code-small`, next) runs `train_checkpoint`: the corpus
-split (engine/model/train_corpus.py) -> a BPE tokenizer fitted on the train split
-(engine/model/hf_files.py) -> token streams -> a seeded model (engine/model/train_model.py) ->
-`train`, the shared loop (engine/model/train_loop.py) on the next-token loss -> held-out loss
-and perplexity -> the checkpoint in Hugging Face format.
+`pdserve model train` and the first use of `builtin:code-small` (engine/model/trained_builtins.py)
+run `train_checkpoint`: the corpus split (engine/model/train_corpus.py) -> a BPE tokenizer fitted
+on the train split (engine/model/hf_files.py) -> token streams -> a seeded model
+(engine/model/train_model.py) -> `train`, the shared loop (engine/model/train_loop.py) on the
+next-token loss -> held-out loss and perplexity -> the checkpoint in Hugging Face format.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The text the trained built-ins learn from: this Python's standard library, split and tokenized.
 
-First stop of training (engine/model/train.py and engine/model/distill.py):
+First stop of training (engine/model/trained_builtins.py, `pdserve model train` / `distill`):
 stdlib .py files -> a train / held-out split fixed by a hash of each file's path (the same on
 every machine with this Python) -> one token stream per split (`<s> file </s>` after one
 another) -> fixed-length windows. Training draws windows in an order shuffled by a seeded

@@ -1,0 +1,85 @@
+"""The recipes of the trained built-ins, `builtin:code-small` and `builtin:code-draft`, and their cache names.
+
+engine/model/builtin.py resolves `builtin:code-small` / `builtin:code-draft` to a cache
+directory and, on first use, calls `build_trained` here: code-small is trained on this Python's
+standard library (engine/model/train.py, ~12 minutes on 2 cores with AMX), code-draft is
+distilled from it (engine/model/distill.py). `pdserve model train` / `distill` run the same
+recipes, with the command line's overrides (cluster/cmd_model.py).
+
+PDSERVE_TRAIN_STEPS=N (environment) replaces both recipes' step counts, for a quick, poor model
+(a smoke test, CI); such a build is cached under its own name (`...-stepsN`), never as the real one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.model.builtin import ensure_builtin
+from engine.model.train_loop import Compute, TrainSettings
+from engine.model.train_model import ModelShape
+
+FORMAT_VERSION = "t1"  # bump when a recipe or the training code changes the bytes, so stale caches are not reused
+STEPS_ENV = "PDSERVE_TRAIN_STEPS"
+TARGET = "code-small"
+DRAFT = "code-draft"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    shape: ModelShape
+    settings: TrainSettings
+
+
+# Sizes measured on this project's 2-core CPU (bf16 on AMX, compiled): see docs/engine.md.
+RECIPES = {
+    # 12.6M parameters (vocab 8192, hidden 384, 6 layers, 6 heads of 64, 2 KV heads), 1024-token context.
+    TARGET: Recipe(ModelShape(8192, 384, 6, 6, 2, 1024, 1024),
+                   TrainSettings(steps=500, batch_size=8, seq_len=1024, lr=2e-3, warmup_steps=30, seed=1,
+                                 eval_windows=64)),
+    # The target's embedding and first 2 layers, then fitted to the target's distributions.
+    DRAFT: Recipe(ModelShape(8192, 384, 2, 6, 2, 1024, 1024),
+                  TrainSettings(steps=400, batch_size=8, seq_len=1024, lr=1e-3, warmup_steps=20, seed=2,
+                                eval_windows=64)),
+}
+
+
+def steps_override() -> int | None:
+    text = os.environ.get(STEPS_ENV)
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{STEPS_ENV} must be a positive number of steps, got {text!r}")
+    return int(text)
+
+
+def recipe(name: str) -> Recipe:
+    """The recipe of `name`, with PDSERVE_TRAIN_STEPS applied."""
+    base = RECIPES[name]
+    steps = steps_override()
+    return base if steps is None else replace(base, settings=replace(base.settings, steps=steps))
+
+
+def trained_cache_entry_name(name: str) -> str:
+    steps = steps_override()
+    return f"builtin-{name}-{FORMAT_VERSION}" + (f"-steps{steps}" if steps is not None else "")
+
+
+def build_trained(name: str, out: Path, cache_dir: str | Path | None = None) -> Path:
+    """Trains (code-small) or distils (code-draft, from code-small in `cache_dir`) into `out`."""
+    r = recipe(name)
+    compute = Compute.default(r.settings.steps)
+    if name == TARGET:
+        from engine.model.train import train_checkpoint
+
+        summary = train_checkpoint(out, TARGET, r.shape, r.settings, compute).summary()
+    else:
+        from engine.model.distill import distill_checkpoint
+
+        target_dir = ensure_builtin(TARGET, cache_dir)
+        summary = distill_checkpoint(target_dir, out, DRAFT, "builtin:" + TARGET, r.shape, r.settings,
+                                     compute).summary()
+    print(summary, file=sys.stderr)
+    return out
