@@ -6,9 +6,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from engine.model.hf_files import ModelShape
 from engine.model.train_corpus import split_corpus, stdlib_dir
 from engine.model.train_loop import TrainSettings
-from engine.model.train_model import ModelShape
 
 TINY_TARGET = ModelShape(vocab_size=512, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                          intermediate_size=128, max_position_embeddings=64)

@@ -28,21 +28,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.model.hf_files import llama_config, write_bpe_tokenizer, write_checkpoint
+from engine.model.hf_files import ModelShape, write_bpe_tokenizer, write_checkpoint
 
 BUILTIN_PREFIX = "builtin:"
 FORMAT_VERSION = "v1"  # bump when the recipe changes, so stale caches are not reused
 
 
 @dataclass(frozen=True)
-class BuiltinSpec:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
+class BuiltinSpec(ModelShape):
+    """A random built-in: its shape, then how it is made. The fields stay flat (asdict is
+    pdserve_builtin.json, whose bytes must not change)."""
+
     init_std: float
     corpus_bytes: int  # how much of the corpus the tokenizer trains on
     seed: int
@@ -130,7 +126,7 @@ def build_builtin(name: str, out_dir: str | Path, cache_dir: str | Path | None =
         tensors = _init_weights(spec)
         bar.update()
         bar.set_postfix_str("writing safetensors")
-        write_checkpoint(out, _hf_config(spec), tensors, {"name": name, **asdict(spec)})
+        write_checkpoint(out, spec.hf_config(), tensors, {"name": name, **asdict(spec)})
         bar.update()
     return out
 
@@ -174,10 +170,3 @@ def _init_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
     tensors["model.norm.weight"] = torch.ones(spec.hidden_size)
     return tensors
 
-
-def _hf_config(spec: BuiltinSpec) -> dict:
-    return llama_config(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, intermediate_size=spec.intermediate_size,
-        max_position_embeddings=spec.max_position_embeddings,
-    )

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.model.hf_files import copy_tokenizer, write_checkpoint
+from engine.model.hf_files import ModelShape, copy_tokenizer, write_checkpoint
 from engine.model.train import next_token_loss
 from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
 from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, run_steps, using_threads
-from engine.model.train_model import ModelShape, build_model, checkpoint_tensors, load_hf_model
+from engine.model.train_model import build_model, checkpoint_tensors, load_hf_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

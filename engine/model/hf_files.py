@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2: bos, eos, pad
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -60,30 +65,57 @@ def copy_tokenizer(src: Path, out: Path) -> None:
             (out / name).write_bytes((src / name).read_bytes())
 
 
-def llama_config(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                 intermediate_size: int, max_position_embeddings: int) -> dict:
-    """config.json of a Llama with tied embeddings and the built-ins' special-token ids."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
-        "torch_dtype": "float32",
-    }
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers that make a Llama-family checkpoint's config.json (engine/model/builtin.py's
+    random built-ins and engine/model/train_model.py's trained ones)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+    def hf_config(self) -> dict:
+        """config.json: a Llama with tied embeddings and the built-ins' special-token ids."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
+            "pad_token_id": PAD_ID,
+            "torch_dtype": "float32",
+        }
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM) -> ModelShape:
+        cfg = model.config
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                   cfg.num_key_value_heads or cfg.num_attention_heads, cfg.intermediate_size,
+                   cfg.max_position_embeddings)
+
+    def num_parameters(self) -> int:
+        """Weights, counting the tied embedding once."""
+        head_dim = self.hidden_size // self.num_heads
+        attn = self.hidden_size * head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        return self.vocab_size * self.hidden_size + self.num_layers * per_layer + self.hidden_size
 
 
 def write_checkpoint(out: Path, config: dict, tensors: dict[str, torch.Tensor], about: dict) -> None:

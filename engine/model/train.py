@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.model.hf_files import write_bpe_tokenizer, write_checkpoint
+from engine.model.hf_files import ModelShape, write_bpe_tokenizer, write_checkpoint
 from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
 from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, run_steps, using_threads
-from engine.model.train_model import ModelShape, build_model, checkpoint_tensors
+from engine.model.train_model import build_model, checkpoint_tensors
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

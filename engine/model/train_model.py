@@ -1,7 +1,7 @@
 """The model the trainers fit: a Hugging Face `LlamaForCausalLM` of a given shape, seeded.
 
 Between the corpus (engine/model/train_corpus.py) and the loops (engine/model/train.py,
-engine/model/distill.py): `ModelShape` -> config.json (engine/model/hf_files.py) -> the
+engine/model/distill.py): `ModelShape` (engine/model/hf_files.py) -> config.json -> the
 transformers model, initialised from a seed -> trained -> `checkpoint_tensors`, the state dict
 written as model.safetensors. Training in transformers' own Llama means the saved checkpoint
 is, by construction, what transformers (the engine's correctness oracle) and
@@ -11,47 +11,17 @@ engine/model/loader.py read back.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.hf_files import llama_config
+from engine.model.hf_files import ModelShape
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, PreTrainedModel
 
 INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-
-    def hf_config(self) -> dict:
-        return llama_config(**asdict(self))
-
-    @classmethod
-    def of(cls, model: LlamaForCausalLM) -> ModelShape:
-        cfg = model.config
-        return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-                   cfg.num_key_value_heads or cfg.num_attention_heads, cfg.intermediate_size,
-                   cfg.max_position_embeddings)
-
-    def num_parameters(self) -> int:
-        """Weights, counting the tied embedding once."""
-        head_dim = self.hidden_size // self.num_heads
-        attn = self.hidden_size * head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        per_layer = attn + mlp + 2 * self.hidden_size
-        return self.vocab_size * self.hidden_size + self.num_layers * per_layer + self.hidden_size
 
 
 def build_model(shape: ModelShape, seed: int) -> LlamaForCausalLM:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.model.builtin import ensure_builtin
+from engine.model.hf_files import ModelShape
 from engine.model.train_loop import Compute, TrainSettings
-from engine.model.train_model import ModelShape
 
 FORMAT_VERSION = "t1"  # bump when a recipe or the training code changes the bytes, so stale caches are not reused
 STEPS_ENV = "PDSERVE_TRAIN_STEPS"

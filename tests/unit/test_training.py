@@ -13,11 +13,11 @@ import torch
 
 from engine.model import train_corpus
 from engine.model.distill import distill, held_out_agreement, init_from_target, kl_to_target
-from engine.model.hf_files import write_bpe_tokenizer
+from engine.model.hf_files import ModelShape, write_bpe_tokenizer
 from engine.model.train import held_out_loss, train, train_checkpoint
 from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
 from engine.model.train_loop import Compute, learning_rate
-from engine.model.train_model import ModelShape, build_model
+from engine.model.train_model import build_model
 from tests.train_helpers import TINY_DRAFT, TINY_SETTINGS, TINY_TARGET, small_stdlib_corpus
 
 EAGER_FP32 = Compute(threads=2, bf16=False, compile=False)
