@@ -24,7 +24,8 @@ class ModelRunner:
         self.device = torch.device(device)
 
     def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[ScheduledSeq]]:
-        """Packs decodes (one query token) first, then prefill chunks; also returns the
+        """Packs decodes (one query token) first, then prefill chunks and speculating decodes
+        (their last token + proposed ones, a chunk over cached context); also returns the
         sequences that sample this step, in the order of `logits_indices`. Python touches each
         sequence once (its token slice, page table and counts); per-token metadata (positions,
         KV slots) comes from a few tensor ops over those, not per-token Python lists."""
@@ -33,7 +34,11 @@ class ModelRunner:
         computed = [s.seq.num_computed_tokens for s in ordered]
         input_ids: list[int] = []
         for s, start, n in zip(ordered, computed, num_new):
-            input_ids += s.seq.token_ids[start:start + n]
+            if s.draft is None:
+                input_ids += s.seq.token_ids[start:start + n]
+            else:  # its last token, then the proposed ones (not part of the sequence unless accepted)
+                input_ids += s.seq.token_ids[start:start + n - len(s.draft)]
+                input_ids += s.draft.token_ids
         max_pages = max(len(s.seq.page_table) for s in ordered)
         page_table = torch.tensor([s.seq.page_table + [0] * (max_pages - len(s.seq.page_table)) for s in ordered],
                                   dtype=torch.int32)
@@ -51,6 +56,13 @@ class ModelRunner:
         slots = page_table[rows, positions // page_size].to(torch.int64) * page_size + positions % page_size
         sampled = [s for s in ordered if s.samples]
         logits_indices = starts[1:][torch.tensor([s.samples for s in ordered], dtype=torch.bool)] - 1
+        if any(s.draft is not None for s in sampled):
+            # A speculating sequence needs the logits of its last 1 + k rows (verification).
+            rows_each = torch.tensor([1 + s.num_draft_tokens for s in sampled])
+            first = torch.repeat_interleave(logits_indices + 1 - rows_each, rows_each)
+            offset = torch.arange(int(rows_each.sum())) - torch.repeat_interleave(torch.cumsum(rows_each, 0) - rows_each,
+                                                                                  rows_each)
+            logits_indices = first + offset
         dev = self.device
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -64,8 +76,8 @@ class ModelRunner:
         ), sampled
 
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """Runs one step; returns logits [num_sampled, vocab] (float32, on CPU) and the
-        sequences they belong to, in row order."""
+        """Runs one step; returns logits [rows, vocab] (float32, on CPU) and the sequences they
+        belong to, in row order: one row each, 1 + k for a sequence verifying k proposed tokens."""
         batch, sampled = self.build_batch(scheduled)
         hidden = self.executor.run(batch)
         if not sampled:
