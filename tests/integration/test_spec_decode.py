@@ -85,9 +85,14 @@ def test_speculating_decodes_share_steps_with_prefill_chunks_and_prefix_hits(loo
     """Staggered arrivals, a small token budget (chunked prefill) and shared prefixes: steps mix
     prompt chunks, plain decodes and verifications; the outputs stay HF's."""
     base = prompts_of(1, 90, seed=5)["r0"]
-    prompts = {"a": base, "b": base[:64] + [7, 8, 9], "c": prompts_of(1, 150, seed=6)["r0"], "d": base[:40]}
-    arrivals = {0: {"a": prompts["a"]}, 12: {"b": prompts["b"], "c": prompts["c"]}, 20: {"d": prompts["d"]}}
-    config = dict(max_num_batched_tokens=40, enable_prefix_caching=True)
+    prompts = {"a": base, "b": base[:64] + [7, 8, 9], "c": prompts_of(1, 150, seed=6)["r0"], "d": base[:40],
+               "e": base[:56] + [5, 6]}
+    # Proposals take what a step's budget leaves, so a long prompt's chunks (b, c at step 12)
+    # crowd them out; d and e arrive while the others speculate and are short past their prefix
+    # hits (8 and 2 tokens): their steps verify proposals alongside a prompt chunk.
+    arrivals = {0: {"a": prompts["a"]}, 12: {"b": prompts["b"], "c": prompts["c"]}, 28: {"d": prompts["d"]},
+                34: {"e": prompts["e"]}}
+    config = dict(max_num_batched_tokens=40, max_num_seqs=8, enable_prefix_caching=True)
     stats: list[StepStats] = []
     spec_engine = make_engine(loopy_dir, LOOKUP, **config)
     spec = run(spec_engine, {k: dict(v) for k, v in arrivals.items()}, GREEDY, stats)
@@ -258,10 +263,12 @@ def test_worker_metrics_count_proposed_and_accepted_by_method(loopy_dir):
     outs = run(engine, {0: prompts_of(3, 30, seed=31)}, GREEDY)
     proposed = sum(o.num_spec_proposed for o in outs.values())
     accepted = sum(o.num_spec_accepted for o in outs.values())
-    text = metrics.exposition().decode()
-    labels = 'worker_id="d0",role="decode",method="prompt_lookup"'
-    assert f"pdserve_worker_spec_proposed_tokens_total{{{labels}}} {float(proposed)}" in text
-    assert f"pdserve_worker_spec_accepted_tokens_total{{{labels}}} {float(accepted)}" in text
+    value = metrics.registry.get_sample_value
+    labels = {"worker_id": "d0", "role": "decode", "method": "prompt_lookup"}
+    assert value("pdserve_worker_spec_proposed_tokens_total", labels) == proposed > 0
+    assert value("pdserve_worker_spec_accepted_tokens_total", labels) == accepted > 0
     verified = engine.speculator.totals["prompt_lookup"].num_verified
-    assert f"pdserve_worker_spec_acceptance_rate{{{labels}}} {accepted / proposed}" in text
-    assert f"pdserve_worker_spec_mean_accepted_length{{{labels}}} {(accepted + verified) / verified}" in text
+    assert value("pdserve_worker_spec_verify_steps_total", labels) == verified > 0
+    assert value("pdserve_worker_spec_acceptance_rate", labels) == pytest.approx(accepted / proposed)
+    assert value("pdserve_worker_spec_mean_accepted_length", labels) == pytest.approx((accepted + verified) / verified)
+    assert b'method="prompt_lookup"' in metrics.exposition()  # and the scrape shows them
