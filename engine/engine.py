@@ -15,11 +15,9 @@ release their pages exactly once.
 
 from __future__ import annotations
 
-import numbers
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -34,42 +32,12 @@ from engine.parallel.layout import ShardGroup, ShardLayout
 from engine.parallel.model_shard import load_shard
 from engine.parallel.shard_executor import GroupDriver, LocalExecutor
 from engine.parallel.sharded_kv_cache import ShardedKVCache
+from engine.request_io import RequestOutput, token_id_list
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.snapshot import EngineSnapshot
 from engine.spec import Speculator
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: the tokens added since the last output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)  # all generated so far
-    logprobs: list[float] = field(default_factory=list)  # all so far, when params.logprobs
-    num_spec_proposed: int = 0  # speculative tokens proposed for this request so far
-    num_spec_accepted: int = 0  # of which the target kept
-
-
-def token_id_list(tokens: object) -> list[int]:
-    """Prompt token ids as a list of Python ints (lists, tuples, numpy or torch 1-D arrays);
-    ValueError for anything that is not a sequence of integers."""
-    if hasattr(tokens, "tolist"):  # numpy / torch arrays
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
-        raise ValueError(f"prompt token ids must be a list of integers, got {type(tokens).__name__}")
-    ids = list(tokens)
-    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-    if wrong:
-        raise ValueError(f"prompt token ids must be integers, got {wrong[:5]}")
-    return [int(t) for t in ids]
 
 
 class LLMEngine:
