@@ -45,9 +45,18 @@ def run(engine: LLMEngine, arrivals: dict[int, dict[str, list[int]]], params: Sa
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+        assert_no_draft_pages_held(engine)
         step += 1
         assert step < 5000
     return finished
+
+
+def assert_no_draft_pages_held(engine: LLMEngine) -> None:
+    """Between steps a sequence holds pages through its next token at most: those a rejected
+    proposal took are back (the plain path holds as many)."""
+    page_size = engine.config.page_size
+    for seq in engine.scheduler.running:
+        assert len(seq.page_table) <= -(-seq.num_tokens // page_size), (seq.request_id, seq.num_tokens)
 
 
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=True)
@@ -272,3 +281,18 @@ def test_worker_metrics_count_proposed_and_accepted_by_method(loopy_dir):
     assert value("pdserve_worker_spec_acceptance_rate", labels) == pytest.approx(accepted / proposed)
     assert value("pdserve_worker_spec_mean_accepted_length", labels) == pytest.approx((accepted + verified) / verified)
     assert b'method="prompt_lookup"' in metrics.exposition()  # and the scrape shows them
+
+
+def test_abort_while_speculating_frees_every_page(loopy_dir):
+    engine = make_engine(loopy_dir, LOOKUP)
+    prompts = prompts_of(3, 30, seed=37)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, GREEDY)
+    steps = 0
+    while not any(s.spec is not None and s.spec.num_accepted for s in engine.scheduler.running):
+        assert engine.step() and steps < 40
+        steps += 1
+    for rid in prompts:
+        assert engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+    assert_no_page_leak(engine)
