@@ -37,7 +37,9 @@ class StepWork:
             if n == 1 and start == seq.num_tokens - 1 and start >= seq.num_prompt_tokens:
                 decode += 1
                 context += start + 1
-            elif s.draft is not None:  # a decode verifying proposals: its 1 + k tokens read the KV once
+            elif s.draft is not None:
+                # A decode verifying k proposals: 1 + k decode rows over the same pages, whose KV a
+                # step need move from memory once (the roofline's bytes; later rows hit the cache).
                 decode += n
                 context += start + n
             else:
