@@ -30,7 +30,8 @@ class SpeculativeConfig(BaseModel):
     ngram_max: int = Field(3, ge=1, le=64)
     # A step whose scheduled tokens (decodes, prefill chunks and proposals) reach this many is
     # no longer memory-bound: proposals past it would cost compute, so none are added. 0 = no
-    # limit. Sized so that speculation at saturation costs nothing (benchmarks/spec_decode.py).
+    # limit. Meant to keep speculation at saturation nearly free: benchmarks/spec_decode.py
+    # measures it (docs/benchmarks.md: 0.99x on builtin:small, 0.92-0.94x on builtin:tiny).
     max_batch_tokens: int = Field(48, ge=0)
     # Each request's k follows its acceptance: one more after a step that accepted everything,
     # down to what was accepted (+1) after a miss, and a growing pause after a step accepting none.
