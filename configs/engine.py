@@ -10,6 +10,39 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+SPECULATIVE_METHODS = ("none", "prompt_lookup")  # engine/spec/ builds a proposer for each but "none"
+MAX_SPECULATIVE_TOKENS = 16  # per step per sequence, for the pool default and for a request alike
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding for a pool's engines (engine/spec/): each decoding sequence may
+    compute up to `num_tokens` proposed tokens after its last one, verified by the same step.
+    A request may override `method` and `num_tokens` (SamplingParams.speculative_method /
+    num_speculative_tokens)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    method: Literal["none", "prompt_lookup"] = "none"
+    num_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="proposed tokens per step, at most")
+    # prompt_lookup: match the last n tokens (n from ngram_max down to ngram_min) against the
+    # prompt and output so far; propose what followed the most recent earlier match.
+    ngram_min: int = Field(1, ge=1, le=64)
+    ngram_max: int = Field(3, ge=1, le=64)
+    # A step whose scheduled tokens (decodes, prefill chunks and proposals) reach this many is
+    # no longer memory-bound: proposals past it would cost compute, so none are added. 0 = no
+    # limit. Meant to keep speculation at saturation nearly free: benchmarks/spec_decode.py
+    # measures it (docs/benchmarks.md: 0.99x on builtin:small, 0.92-0.94x on builtin:tiny).
+    max_batch_tokens: int = Field(48, ge=0)
+    # Each request's k follows its acceptance: one more after a step that accepted everything,
+    # down to what was accepted (+1) after a miss, and a growing pause after a step accepting none.
+    adaptive: bool = True
+
+    @model_validator(mode="after")
+    def _check_ngrams(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"speculative.ngram_min ({self.ngram_min}) is above ngram_max ({self.ngram_max})")
+        return self
+
 
 class EngineSettings(BaseModel):
     """Everything about one engine except which model it serves (a cluster's pools share the
@@ -36,6 +69,7 @@ class EngineSettings(BaseModel):
     # the model must split evenly (heads, kv heads, MLP width by TP; at least one layer per stage).
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="shards per layer (attention heads, MLP)")
     pipeline_parallel_size: int = Field(1, ge=1, le=64, description="stages, each a contiguous run of layers")
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @property
     def world_size(self) -> int:

@@ -32,12 +32,14 @@ from proto.worker_messages import (
 def sampling_params(s) -> SamplingParams:
     return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                           seed=s.seed, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
-                          logprobs=s.logprobs)
+                          logprobs=s.logprobs, speculative_method=s.speculative_method,
+                          num_speculative_tokens=s.num_speculative_tokens)
 
 
 def tokens_message(worker_id: str, out: RequestOutput) -> Tokens:
     return Tokens(out.request_id, worker_id, tuple(out.new_token_ids), tuple(out.new_logprobs), out.finished,
-                  out.finish_reason.value if out.finish_reason else None, out.num_cached_prompt_tokens)
+                  out.finish_reason.value if out.finish_reason else None, out.num_cached_prompt_tokens,
+                  out.num_spec_proposed, out.num_spec_accepted)
 
 
 class DecodeWorker:

@@ -6,18 +6,18 @@ This is what the workers drive (and what engine/llm.py wraps for offline use):
         for out in engine.step():                              # schedule -> run -> sample
             ...                                                # new tokens, finish reason
     engine.abort_request(request_id)                           # frees its pages at once
-Each step: the scheduler picks sequences and token counts, the model runner executes them as
-one ForwardBatch, the sampler picks a token for each sequence whose known tokens are now all
-computed, and finished sequences release their pages exactly once.
+Each step: the scheduler picks sequences and token counts, the speculator adds proposed tokens
+to decodes (speculative decoding, engine/spec/; off unless configured or asked), the model
+runner executes them as one ForwardBatch, the sampler picks a token for each sequence whose
+known tokens are now all computed (verifying proposals: 1..k+1 tokens), and finished sequences
+release their pages exactly once.
 """
 
 from __future__ import annotations
 
-import numbers
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,40 +32,12 @@ from engine.parallel.layout import ShardGroup, ShardLayout
 from engine.parallel.model_shard import load_shard
 from engine.parallel.shard_executor import GroupDriver, LocalExecutor
 from engine.parallel.sharded_kv_cache import ShardedKVCache
-from engine.sampler import sample
+from engine.request_io import RequestOutput, token_id_list
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.snapshot import EngineSnapshot
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: the tokens added since the last output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[float]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)  # all generated so far
-    logprobs: list[float] = field(default_factory=list)  # all so far, when params.logprobs
-
-
-def token_id_list(tokens: object) -> list[int]:
-    """Prompt token ids as a list of Python ints (lists, tuples, numpy or torch 1-D arrays);
-    ValueError for anything that is not a sequence of integers."""
-    if hasattr(tokens, "tolist"):  # numpy / torch arrays
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__iter__"):
-        raise ValueError(f"prompt token ids must be a list of integers, got {type(tokens).__name__}")
-    ids = list(tokens)
-    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-    if wrong:
-        raise ValueError(f"prompt token ids must be integers, got {wrong[:5]}")
-    return [int(t) for t in ids]
+from engine.spec import Speculator
 
 
 class LLMEngine:
@@ -100,6 +72,7 @@ class LLMEngine:
         self.page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.page_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.executor, config.page_size, config.device)
+        self.speculator = Speculator(config.speculative)
         self.handoff = KVHandoff(self.page_manager)  # KV crossing engines (disaggregation)
         self._seqs: dict[str, Sequence] = {}
         self._num_arrivals = 0
@@ -182,6 +155,7 @@ class LLMEngine:
         it holds nothing here."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
+            self.speculator.release(seq)
             self.scheduler.finish(seq, FinishReason.ABORT)
             return True
         return self.handoff.drop(request_id)
@@ -193,8 +167,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        for seq in sched.preempted:
+            self.speculator.release(seq)
         if not sched.scheduled:
             return []
+        self.speculator.plan(sched, self.scheduler)
         if not self._step_observers:
             outputs = self._run(sched)
             self.publish_snapshot()
@@ -209,42 +186,53 @@ class LLMEngine:
         outputs = self._run(sched)
         pm = self.page_manager
         stats = StepStats(work, time.perf_counter() - start, tuple(queue_times), pm.num_referenced_pages,
-                          pm.num_free_pages)
+                          pm.num_free_pages, self.speculator.step_stats)
         self.publish_snapshot()
         for observer in self._step_observers:
             observer(stats)
         return outputs
 
-    def _run(self, sched) -> list[RequestOutput]:
+    def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
         logits, sampled = self.runner.execute(sched.scheduled)
         self.scheduler.finish_step(sched)
         self.num_steps += 1
         if not sampled:
             return []
-        seqs = [s.seq for s in sampled]
-        token_ids, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         outputs = []
-        for seq, token, logprob in zip(seqs, token_ids, logprobs):
-            seq.token_ids.append(token)
-            if seq.params.logprobs:
-                seq.logprobs.append(logprob)
-            reason = self._stop_reason(seq, token)
+        for s, result in zip(sampled, self.speculator.sample(logits, sampled)):
+            seq = s.seq
+            new_tokens, new_logprobs, reason = [], [], None
+            # Tokens one at a time: a stop token or max_tokens inside an accepted run ends it there.
+            for token, logprob in zip(result.token_ids, result.logprobs):
+                seq.token_ids.append(token)
+                new_tokens.append(token)
+                if seq.params.logprobs:
+                    seq.logprobs.append(logprob)
+                    new_logprobs.append(logprob)
+                if (reason := self._stop_reason(seq, token)) is not None:
+                    break
             if reason is not None:
                 self._finish(seq, reason)
+            elif s.draft is not None:
+                self.scheduler.commit_drafts(seq, result.num_accepted)
+            spec = seq.spec
             outputs.append(RequestOutput(
                 request_id=seq.request_id,
-                new_token_ids=[token],
-                new_logprobs=[logprob] if seq.params.logprobs else [],
+                new_token_ids=new_tokens,
+                new_logprobs=new_logprobs,
                 finished=reason is not None,
                 finish_reason=reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
                 token_ids=seq.output_token_ids,
                 logprobs=list(seq.logprobs),
+                num_spec_proposed=spec.num_proposed if spec else 0,
+                num_spec_accepted=spec.num_accepted if spec else 0,
             ))
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.speculator.release(seq)
         kept = self.scheduler.finish(seq, reason, keep_pages=seq.hold_kv)
         if seq.hold_kv:
             self.handoff.hold(seq.request_id, kept, seq.num_computed_tokens)

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from configs.engine import EngineConfig
-from engine.engine import LLMEngine, RequestOutput, token_id_list
+from engine.engine import LLMEngine
 from engine.parallel.shard_follower import start_local_group
+from engine.request_io import RequestOutput, token_id_list
 from engine.sampling_params import SamplingParams
 
 

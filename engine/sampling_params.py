@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from configs.engine import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+
 GREEDY_TEMPERATURE = 1e-5
 
 
@@ -22,6 +24,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: bool = False  # return the log-probability of each chosen token
+    # Speculative decoding for this request (engine/spec/); None takes the engine's setting
+    # (EngineSettings.speculative). "none" or num_speculative_tokens=0 turns it off.
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
@@ -42,6 +48,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        n = self.num_speculative_tokens
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], got {n!r}")
 
     @property
     def greedy(self) -> bool:

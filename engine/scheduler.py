@@ -14,22 +14,34 @@ No waiting sequence is admitted in a step that preempted: pages are short.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.page_manager import PageManager
 from engine.prefix_cache import ROOT_HASH, hash_full_pages
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.spec.proposer import Proposal
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    # Tokens to compute this step, starting at seq.num_computed_tokens: the sequence's own,
+    # then the proposed ones of `draft` (speculative decoding: engine/spec/speculator.py).
+    num_new_tokens: int
+    draft: Proposal | None = None
+    spec_method: str = ""  # the proposer of `draft`
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return 0 if self.draft is None else len(self.draft)
 
     @property
     def samples(self) -> bool:
         """Whether this step completes the sequence's known tokens, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens + self.num_draft_tokens
+
+    def with_draft(self, draft: Proposal, method: str) -> ScheduledSeq:
+        return replace(self, num_new_tokens=self.num_new_tokens + len(draft), draft=draft, spec_method=method)
 
 
 @dataclass
@@ -107,10 +119,31 @@ class Scheduler:
         return out
 
     def finish_step(self, out: SchedulerOutput) -> None:
-        """Advances progress of every scheduled sequence and registers its newly full pages."""
+        """Advances progress of every scheduled sequence and registers its newly full pages.
+        Proposed tokens do not count yet: `commit_drafts` adds those the verification kept."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
             self.register_full_pages(s.seq)
+
+    # -- speculative decoding (engine/spec/speculator.py) -----------------------------------------
+    def allocate_drafts(self, seq: Sequence, num_draft_tokens: int) -> bool:
+        """Pages for a scheduled decode's proposed tokens, if free ones allow (never preempts)."""
+        need = self._pages_needed(seq, 1 + num_draft_tokens)
+        if not self.pages.can_allocate(need):
+            return False
+        seq.page_table += self.pages.allocate(need)
+        return True
+
+    def commit_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification appended the kept tokens: their KV counts as computed; the pages
+        past what the next step needs (they hold only rejected positions) go back, and the
+        newly full pages, all of accepted tokens, enter the prefix cache."""
+        seq.num_computed_tokens += num_accepted
+        keep = -(-seq.num_tokens // self.page_size)  # through the token the next step computes
+        if len(seq.page_table) > keep:
+            self.pages.release(reversed(seq.page_table[keep:]))
+            del seq.page_table[keep:]
+        self.register_full_pages(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason, keep_pages: bool = False) -> list[int]:
         """Moves a sequence to its terminal state and releases its pages (exactly once). With

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.spec.adaptive import SpecState
 
 
 class SequenceStatus(enum.Enum):
@@ -49,6 +50,7 @@ class Sequence:
     hold_kv: bool = False  # on finish, keep the pages for a KV transfer (prefill role)
     arrival_time: float = field(default_factory=time.monotonic)  # for the queue-time metric
     first_scheduled_time: float | None = None
+    spec: SpecState | None = None  # speculative decoding: k, pauses and totals (engine/spec/)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -42,6 +42,8 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    speculative_method: str | None = None  # None: the pool's setting
+    num_speculative_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,8 @@ class Tokens:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort"
     num_cached_prompt_tokens: int = 0
+    spec_proposed_tokens: int = 0  # the request's speculative totals so far (usage)
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

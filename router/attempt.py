@@ -36,6 +36,7 @@ class Attempt:
         self.j, self.stream, self.pool, self.policy, self.settings, self.gate = j, stream, pool, policy, settings, gate
         self.rid = j.request_id if number == 0 else f"{j.request_id}.retry{number}"
         self.first = number == 0
+        self.number = number
         self.prompt = j.prompt + tuple(stream.generated)
         self.sampling = replace(j.sampling, max_tokens=j.sampling.max_tokens - len(stream.generated))
         self.wait_s = settings.retry_wait_s if number > 0 else 0.0
@@ -67,6 +68,7 @@ class Attempt:
             elif isinstance(msg, wm.Tokens):
                 if self.first:
                     self.stream.num_cached = msg.num_cached_prompt_tokens
+                self._count_spec(msg)
                 async for response in self._relay([_tokens(msg)]):
                     yield response
 
@@ -103,11 +105,16 @@ class Attempt:
                 async for response in self._relay(pending):
                     yield response
             elif isinstance(msg, wm.Tokens):
+                self._count_spec(msg)
                 if early is not None:
                     early.append(msg)
                     continue
                 async for response in self._relay([_tokens(msg)]):
                     yield response
+
+    def _count_spec(self, msg: wm.Tokens) -> None:
+        """The request's speculative totals on this attempt's worker (cumulative per message)."""
+        self.stream.spec_counts[self.number] = (msg.spec_proposed_tokens, msg.spec_accepted_tokens)
 
     async def _relay(self, pending: list[TokenEvent]) -> AsyncIterator[pb.GenerateResponse]:
         """Token events -> client responses (detokenized, stop strings applied), until the end."""
@@ -221,8 +228,18 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
     logprobs = logprobs or []
     if stream.ttft is None and new_ids:
         stream.ttft = time.monotonic() - stream.start
+    if len(new_ids) == 1 or not stream.stops.stop:
+        text = stream.stops.push(stream.detok.push(new_ids))
+    else:
+        # Several tokens at once (speculative decoding accepts runs): one at a time, so the
+        # ones after a stop string are neither sent nor counted, as if they came one by one.
+        text = ""
+        for i, token in enumerate(new_ids):
+            text += stream.stops.push(stream.detok.push([token]))
+            if stream.stops.stopped:
+                new_ids, logprobs = new_ids[: i + 1], logprobs[: i + 1]
+                break
     stream.generated += new_ids
-    text = stream.stops.push(stream.detok.push(new_ids))
     if stream.stops.stopped:
         reason = "stop"
     if reason is None:
@@ -238,7 +255,9 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
     return pb.GenerateResponse(
         request_id=j.client_id, text=text, token_ids=new_ids, logprobs=logprobs, finish_reason=FINISH[reason],
         usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=len(stream.generated),
-                       cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0))
+                       cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0,
+                       spec_proposed_tokens=sum(p for p, _ in stream.spec_counts.values()),
+                       spec_accepted_tokens=sum(a for _, a in stream.spec_counts.values())))
 
 
 async def _choose(choose: Callable[[], str | None], j: Journey, wait_s: float, none_message: str) -> str:

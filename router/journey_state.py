@@ -82,5 +82,6 @@ class Stream:
     ttft: float | None = None
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0
+    spec_counts: dict[int, tuple[int, int]] = field(default_factory=dict)  # attempt -> (proposed, accepted)
     ended: bool = False  # the client got a finish reason
     done: bool = False  # ... and it was not "abort": the workers freed what they held themselves

@@ -43,6 +43,10 @@ class RouterMetrics:
                                          registry=r)
         self.cached_prompt_tokens = Counter("pdserve_cached_prompt_tokens", "Prompt tokens served from a prefix cache",
                                             registry=r)
+        self.spec_proposed_tokens = Counter("pdserve_spec_proposed_tokens",
+                                            "Speculative tokens proposed for finished requests", registry=r)
+        self.spec_accepted_tokens = Counter("pdserve_spec_accepted_tokens",
+                                            "Speculative tokens accepted for finished requests", registry=r)
         self.rejected_messages = Counter("pdserve_rejected_messages", "Internal messages dropped, by socket and reason",
                                          ["socket", "reason"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
@@ -61,7 +65,8 @@ class RouterMetrics:
                       registry=r).set(target)
 
     def request_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_tokens: int,
-                         prompt_tokens: int, cached_prompt_tokens: int) -> None:
+                         prompt_tokens: int, cached_prompt_tokens: int, spec_proposed_tokens: int = 0,
+                         spec_accepted_tokens: int = 0) -> None:
         self.finished.labels(finish_reason).inc()
         self.e2e.observe(e2e_s)
         tpot_s = None
@@ -78,6 +83,8 @@ class RouterMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(num_tokens)
         self.cached_prompt_tokens.inc(cached_prompt_tokens)
+        self.spec_proposed_tokens.inc(spec_proposed_tokens)
+        self.spec_accepted_tokens.inc(spec_accepted_tokens)
 
     def request_failed(self, status: str, admitted: bool) -> None:
         """An error status; an admitted request that failed (not a client cancel) also counts

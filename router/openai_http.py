@@ -234,4 +234,7 @@ class OpenAIServer:
         if final and usage is not None:
             body["usage"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                              "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            if usage.spec_proposed_tokens:  # pdserve's extension: the request's speculative decoding
+                body["usage"]["spec_proposed_tokens"] = usage.spec_proposed_tokens
+                body["usage"]["spec_accepted_tokens"] = usage.spec_accepted_tokens
         return body

@@ -14,6 +14,7 @@ import json
 import jinja2
 from aiohttp import web
 
+from configs.engine import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 from proto import pdserve_pb2 as pb
 
 # JSON escapes can spell one byte of prompt as six ("\u0001"); a body may also carry stop
@@ -105,9 +106,26 @@ def to_grpc(body: dict, chat: bool, model_name: str, chat_template: jinja2.Templ
         if not isinstance(stop_token_ids, list) or not all(_token_id(t) for t in stop_token_ids):
             raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
         s.stop_token_ids.extend(stop_token_ids)
+    _speculative(body, s)
     s.ignore_eos = bool(body.get("ignore_eos", False))
     s.logprobs = _wants_logprobs(body, chat)
     return req
+
+
+def _speculative(body: dict, s: pb.SamplingParams) -> None:
+    """pdserve's extension fields: speculative_method ("none", "prompt_lookup") and
+    num_speculative_tokens (0-16); absent, the serving pool's setting applies."""
+    method, num = body.get("speculative_method"), body.get("num_speculative_tokens")
+    if method is not None:
+        if method not in SPECULATIVE_METHODS:
+            raise BadRequest(f"speculative_method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))}",
+                             "speculative_method")
+        s.speculative_method = method
+    if num is not None:
+        if isinstance(num, bool) or not isinstance(num, int) or not 0 <= num <= MAX_SPECULATIVE_TOKENS:
+            raise BadRequest(f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]",
+                             "num_speculative_tokens")
+        s.num_speculative_tokens = num
 
 
 def _token_id(value: object) -> bool:

@@ -230,8 +230,10 @@ class Router:
                 num_tokens += len(response.token_ids)
                 if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                     reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
-                    self.metrics.request_finished(reason, ttft, now - start, num_tokens, response.usage.prompt_tokens,
-                                                  response.usage.cached_prompt_tokens)
+                    usage = response.usage
+                    self.metrics.request_finished(reason, ttft, now - start, num_tokens, usage.prompt_tokens,
+                                                  usage.cached_prompt_tokens, usage.spec_proposed_tokens,
+                                                  usage.spec_accepted_tokens)
                     self.log.event("finished", rid, **ids, finish_reason=reason, completion_tokens=num_tokens,
                                    cached_prompt_tokens=response.usage.cached_prompt_tokens,
                                    e2e_s=round(now - start, 6))

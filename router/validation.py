@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from configs.cluster import RouterConfig
+from configs.engine import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from router.journey_state import Journey, RouterError
@@ -111,6 +112,12 @@ def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: Router
         raise _invalid(f"sampling.stop_token_ids outside the vocabulary: {bad_stops[:5]}")
     if any(not stop for stop in s.stop):
         raise _invalid("sampling.stop strings must be non-empty")
+    method = s.speculative_method if s.HasField("speculative_method") else None
+    if method is not None and method not in SPECULATIVE_METHODS:
+        raise _invalid(f"sampling.speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    num_spec = s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None
+    if num_spec is not None and num_spec > MAX_SPECULATIVE_TOKENS:
+        raise _invalid(f"sampling.num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {num_spec}")
     if not math.isfinite(request.timeout_s) or not 0 <= request.timeout_s <= limits.max_timeout_s:
         raise _invalid(f"timeout_s must be in [0, {limits.max_timeout_s:g}] (router.max_timeout_s), "
                        f"got {request.timeout_s}")
@@ -118,7 +125,7 @@ def validate(request: pb.GenerateRequest | UndecodableRequest, tokenizer: Router
         max_tokens=min(max_tokens, max_model_len - len(ids)), temperature=float(temperature),
         top_k=s.top_k if s.HasField("top_k") else 0, top_p=float(top_p),
         seed=s.seed if s.HasField("seed") else None, stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+        ignore_eos=s.ignore_eos, logprobs=s.logprobs, speculative_method=method, num_speculative_tokens=num_spec,
     )
     timeout = request.timeout_s or default_timeout_s
     start = time.monotonic() if now is None else now

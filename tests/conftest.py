@@ -47,3 +47,20 @@ def hf_tiny(tiny_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def loopy_dir(tiny_dir, tmp_path_factory) -> Path:
+    """builtin:tiny made repetitive (tests/helpers.py): speculative decoding's test model."""
+    from tests.helpers import write_loopy_model
+
+    dst = tmp_path_factory.mktemp("loopy") / "model"
+    write_loopy_model(tiny_dir, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def hf_loopy(loopy_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(loopy_dir), dtype=torch.float32).eval()

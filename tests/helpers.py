@@ -85,3 +85,23 @@ class DeviceTensor(torch.Tensor):
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", 0)
+
+
+# builtin:tiny is random and never repeats itself, so prompt lookup would never be right on it.
+# Scaling its decoder layers' weights down lets the tied embedding dominate: greedy output then
+# falls into repeats with context-dependent breaks (at 0.36, measured: over 100 tokens, 12-37
+# proposals per request, 30-90% accepted), while attention still shapes every token.
+LOOPY_LAYER_SCALE = 0.36
+
+
+def write_loopy_model(src, dst) -> None:
+    """A copy of the checkpoint at `src` with its decoder layers' projections scaled down."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    [weights] = list(dst.glob("*.safetensors"))
+    tensors = {name: t * LOOPY_LAYER_SCALE if "layers." in name and "norm" not in name else t
+               for name, t in load_file(weights).items()}
+    save_file(tensors, weights, metadata={"format": "pt"})

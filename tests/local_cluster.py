@@ -31,8 +31,10 @@ from tests.fault_injection import crash_tap
 # its next ephemeral bind, and gloo, Ray and every outgoing connection bind ephemeral ports all
 # the time (CI once lost decode-0's command port to one). Each call takes a fresh block of
 # _BLOCK ports, because configs use base_port + worker index; the random start keeps two test
-# processes on one machine apart.
-_FIRST_PORT, _LAST_PORT, _BLOCK = 20000, 32000, 8
+# processes on one machine apart. It starts above 26000: LocalCluster's configs name nominal
+# base ports in 20000-25999 (base_port, kv_base_port, metrics_base_port + worker index) and the
+# config rejects a router port equal to one of them (a free port of 25000 once failed a setup).
+_FIRST_PORT, _LAST_PORT, _BLOCK = 26000, 32000, 8
 _next_port = _FIRST_PORT + random.Random().randrange(0, _LAST_PORT - _FIRST_PORT, _BLOCK)
 _port_lock = threading.Lock()
 

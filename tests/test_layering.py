@@ -86,3 +86,13 @@ def test_the_router_process_loads_no_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'ray', 'engine', 'tests') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_every_subpackage_is_packaged():
+    """pyproject.toml lists packages one by one: a new subpackage missing there would be absent
+    from a wheel (an editable install hides it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(REPO).parts) for pkg in PACKAGES for init in (REPO / pkg).rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml [tool.setuptools] packages: {sorted(found - listed)}"

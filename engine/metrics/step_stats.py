@@ -9,9 +9,10 @@ Nothing here is global: each engine reports its own steps.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.scheduler import ScheduledSeq
+from engine.spec.speculator import SpecStepStats
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class StepWork:
     # Sum over prefill tokens of the context each attends to (itself and every earlier
     # token): the attention FLOPs of a causal prefill grow with it.
     num_prefill_attended_tokens: int = 0
-    num_decode_tokens: int = 0  # one per decoding sequence
+    num_decode_tokens: int = 0  # one per decoding sequence, 1 + k for one verifying k proposed tokens
     num_decode_context_tokens: int = 0  # KV tokens the decodes read
 
     @staticmethod
@@ -36,6 +37,11 @@ class StepWork:
             if n == 1 and start == seq.num_tokens - 1 and start >= seq.num_prompt_tokens:
                 decode += 1
                 context += start + 1
+            elif s.draft is not None:
+                # A decode verifying k proposals: 1 + k decode rows over the same pages, whose KV a
+                # step need move from memory once (the roofline's bytes; later rows hit the cache).
+                decode += n
+                context += start + n
             else:
                 prefill += n
                 prefill_seqs += 1
@@ -50,3 +56,4 @@ class StepStats:
     queue_times_s: tuple[float, ...]  # arrival -> first scheduled, of sequences scheduled for the first time
     num_pages_used: int  # after the step
     num_pages_free: int
+    spec: SpecStepStats = field(default_factory=SpecStepStats)  # proposals verified this step, by method

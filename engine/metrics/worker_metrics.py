@@ -41,6 +41,7 @@ from engine.metrics.peak import Peak
 from engine.metrics.rejected import Counts, RejectedCollector
 from engine.metrics.roofline import ModelCost
 from engine.metrics.step_stats import StepStats
+from engine.spec.speculator import SpecCounts
 
 # Step and queue times from 0.1 ms (a GPU decode step) to 60 s (a long CPU prefill).
 STEP_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0)
@@ -107,6 +108,39 @@ class _EngineState(Collector):
             yield c
 
 
+class _SpecRatios(Collector):
+    """Speculative decoding's ratios over the worker's life, by method, from the counts the step
+    thread adds (locked): acceptance rate = accepted / proposed tokens; mean accepted length =
+    tokens a verifying sequence-step emits = (accepted + verifying steps) / verifying steps
+    (the target's own token included, so 1.0 means nothing accepted)."""
+
+    def __init__(self, label_values: list[str]) -> None:
+        self.label_values = label_values
+        self.totals: dict[str, SpecCounts] = {}
+        self.lock = threading.Lock()
+
+    def add(self, method: str, counts: SpecCounts) -> None:
+        with self.lock:
+            total = self.totals.setdefault(method, SpecCounts())
+            total.num_proposed += counts.num_proposed
+            total.num_accepted += counts.num_accepted
+            total.num_verified += counts.num_verified
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            totals = {m: (c.num_proposed, c.num_accepted, c.num_verified) for m, c in self.totals.items()}
+        rate = GaugeMetricFamily("pdserve_worker_spec_acceptance_rate",
+                                 "Accepted / proposed speculative tokens, by method", labels=LABELS + ("method",))
+        length = GaugeMetricFamily("pdserve_worker_spec_mean_accepted_length",
+                                   "Tokens emitted per verifying sequence-step (accepted + the target's own)",
+                                   labels=LABELS + ("method",))
+        for method, (proposed, accepted, verified) in sorted(totals.items()):
+            rate.add_metric(self.label_values + [method], accepted / proposed if proposed else 0.0)
+            length.add_metric(self.label_values + [method], (accepted + verified) / verified if verified else 0.0)
+        yield rate
+        yield length
+
+
 class WorkerMetrics:
     def __init__(self, engine: LLMEngine, worker_id: str, role: str, peak: Peak, window_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic, rejected: Callable[[], Counts] = dict) -> None:
@@ -118,6 +152,8 @@ class WorkerMetrics:
         values = [worker_id, role]
         r.register(_EngineState(engine, values))
         r.register(RejectedCollector(rejected, values))
+        self._spec_ratios = _SpecRatios(values)
+        r.register(self._spec_ratios)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
             m = Counter(f"pdserve_worker_{name}", doc, LABELS + extra, registry=r)
@@ -140,6 +176,12 @@ class WorkerMetrics:
         self.decode_bytes = counter("decode_bytes", "Bytes decode steps must read (weights + KV context)")
         self.prefill_flops = counter("prefill_flops", "FLOPs of prefill work (projections, attention, lm_head)")
         self.queue_time = histogram("queue_time_seconds", "Arrival at the engine to first scheduled")
+        self._spec_proposed = counter("spec_proposed_tokens", "Speculative tokens proposed and verified, by method",
+                                      ("method",))
+        self._spec_accepted = counter("spec_accepted_tokens", "Speculative tokens the target accepted, by method",
+                                      ("method",))
+        self._spec_verified = counter("spec_verify_steps",
+                                      "Sequence-steps that verified proposed tokens, by method", ("method",))
         self._transfer_bytes = counter("kv_transfer_bytes", "KV page bytes moved", ("direction",))
         self._transfer_time = histogram("kv_transfer_seconds", "First page frame to the transfer's end, by side",
                                         ("side",))
@@ -166,6 +208,11 @@ class WorkerMetrics:
     # -- observers (called on the worker's step thread) -------------------------------------------
     def observe_step(self, stats: StepStats) -> None:
         work, t = stats.work, stats.step_time_s
+        for method, counts in stats.spec.by_method.items():
+            self._spec_proposed.labels(*self._values, method).inc(counts.num_proposed)
+            self._spec_accepted.labels(*self._values, method).inc(counts.num_accepted)
+            self._spec_verified.labels(*self._values, method).inc(counts.num_verified)
+            self._spec_ratios.add(method, counts)
         for queue_s in stats.queue_times_s:
             self.queue_time.observe(queue_s)
         if work.num_prefill_tokens:

@@ -27,17 +27,20 @@ class MiniRouter:
     """Just enough of the router's journey to drive the workers (messages go through
     encode/decode, as on the socket)."""
 
-    def __init__(self, prefill_budget: int = 32, decode_pages: int | None = None) -> None:
+    def __init__(self, prefill_budget: int = 32, decode_pages: int | None = None, model: str = "builtin:tiny",
+                 decode_speculative: dict | None = None, sampling: m.Sampling = GREEDY) -> None:
         self.channel = InProcChannel()
+        self.sampling = sampling
         self.to_router: list[object] = []
         emit = lambda msg: self.to_router.append(m.decode(m.encode(msg)))  # noqa: E731
         self.opened: list[str] = []  # KV destinations the prefill worker connected to
         self.prefill = PrefillWorker(
-            "p0", LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, max_num_batched_tokens=prefill_budget,
+            "p0", LLMEngine(EngineConfig(model=model, page_size=8, max_num_batched_tokens=prefill_budget,
                                          max_num_seqs=8)),
             self._open_sender, emit, KVDestinations(["inproc"]), pages_per_frame=2)
         self.decode = DecodeWorker(
-            "d0", LLMEngine(EngineConfig(model="builtin:tiny", page_size=8, num_pages=decode_pages)),
+            "d0", LLMEngine(EngineConfig(model=model, page_size=8, num_pages=decode_pages,
+                                         speculative=decode_speculative or {"method": "none"})),
             self.channel.receiver, "inproc", emit)
         self.prompts: dict[str, tuple[int, ...]] = {}
         self.outputs: dict[str, list[int]] = {}
@@ -45,6 +48,7 @@ class MiniRouter:
         self.failed: dict[str, m.Failed] = {}
         self.rejected: set[str] = set()
         self.stage: dict[str, str] = {}
+        self.spec: dict[str, tuple[int, int]] = {}  # speculative (proposed, accepted) per request
 
     def _open_sender(self, address: str) -> KVSender:
         self.opened.append(address)
@@ -54,7 +58,7 @@ class MiniRouter:
         self.prompts[request_id] = tuple(prompt)
         self.outputs[request_id] = []
         self.stage[request_id] = "reserving"
-        self.decode.handle(m.decode(m.encode(m.ReserveKV(request_id, tuple(prompt), lease_s, GREEDY))))
+        self.decode.handle(m.decode(m.encode(m.ReserveKV(request_id, tuple(prompt), lease_s, self.sampling))))
 
     def abort(self, request_id: str) -> None:
         for worker in (self.prefill, self.decode):
@@ -83,7 +87,7 @@ class MiniRouter:
             self.stage[rid] = "prefilling"
             kv = m.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, timeout_s=10,
                                  token=msg.transfer_token)
-            self.prefill.handle(m.Prefill(rid, self.prompts[rid], GREEDY, kv))
+            self.prefill.handle(m.Prefill(rid, self.prompts[rid], self.sampling, kv))
         elif isinstance(msg, m.ReserveRejected):
             self.rejected.add(rid)
         elif isinstance(msg, m.FirstToken):
@@ -94,6 +98,7 @@ class MiniRouter:
         elif isinstance(msg, m.Tokens):
             self.stage[rid] = "decoding"
             self.outputs[rid] += msg.token_ids
+            self.spec[rid] = (msg.spec_proposed_tokens, msg.spec_accepted_tokens)
             if msg.finished:
                 self.finished[rid] = msg.finish_reason
         elif isinstance(msg, m.Failed):
@@ -129,6 +134,23 @@ def test_disaggregated_journey_matches_hf(hf_tiny):
         assert router.outputs[rid] == hf_greedy(hf_tiny, prompt, GREEDY.max_tokens)[0], rid
         assert router.finished[rid] == "length"
     assert router.decode.engine.page_manager.prefix_hit_tokens >= 40  # "shares-prefix" got 5 pages free
+    router.assert_clean()
+
+
+def test_disaggregated_decode_with_prompt_lookup_matches_hf(loopy_dir, hf_loopy):
+    """1P1D with prompt lookup on the decode worker (builtin:tiny made repetitive, so proposals
+    are right and wrong): the stream is HF greedy's, token for token."""
+    sampling = m.Sampling(max_tokens=40, ignore_eos=True)
+    router = MiniRouter(model=str(loopy_dir), decode_speculative={"method": "prompt_lookup"}, sampling=sampling)
+    prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
+    for rid, prompt in prompts.items():
+        router.submit(rid, prompt)
+        router.pump()
+    router.run(lambda: len(router.finished) == len(prompts))
+    for rid, prompt in prompts.items():
+        assert router.outputs[rid] == hf_greedy(hf_loopy, prompt, sampling.max_tokens)[0], rid
+    assert sum(a for _, a in router.spec.values()) > 0
+    assert sum(p - a for p, a in router.spec.values()) > 0
     router.assert_clean()
 
 

@@ -304,3 +304,24 @@ def test_a_reservation_naming_another_kv_address_fails_before_any_prefill(tokeni
     [(reason, detail)] = pool.rejected
     assert reason == "kv_address" and detail.startswith("request r: decode worker d0")
     assert all(not ids for ids in pool.involved.values())
+
+
+def test_a_stop_string_inside_a_speculative_run_cuts_the_run_there(tokenizer):
+    """Speculative decoding sends accepted runs as one Tokens message: the tokens after the one
+    completing a stop string are neither sent nor counted, as when tokens come one by one; the
+    worker's speculative totals reach the usage."""
+    stop = tokenizer.decode([12])
+
+    def colocated(worker_id, cmd):
+        rid = cmd.request_id
+        return [wm.Tokens(rid, worker_id, (10,), (), False, None),
+                wm.Tokens(rid, worker_id, (11, 12, 13, 14), (), False, None, 0, 4, 3),
+                wm.Tokens(rid, worker_id, (15,), (), True, "length", 0, 4, 3)]
+
+    settings = JourneySettings(mode="colocated", kv_timeout_s=5.0, lease_s=5.0)
+    out = run(FakePool({"c0": "colocated"}, colocated), tokenizer, settings, j=journey(stop=(stop,)))
+    assert ids(out) == [10, 11, 12]
+    assert out[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert out[-1].usage.completion_tokens == 3
+    assert (out[-1].usage.spec_proposed_tokens, out[-1].usage.spec_accepted_tokens) == (4, 3)
+    assert "".join(r.text for r in out) == tokenizer.decode([10, 11])

@@ -1,0 +1,202 @@
+"""Speculative decoding benchmark: tokens/s with each method vs without, measured side by side.
+
+    python benchmarks/spec_decode.py                                  # builtin:tiny, quick
+    python benchmarks/spec_decode.py --layer-scale 0.36               # builtin:tiny made repetitive
+    python benchmarks/spec_decode.py --model /path/to/hf-model --num-prompts 8 --max-tokens 128
+
+Workload: code-completion prompts cut from this Python's standard library sources (files
+chosen with --seed, each prompt the first --prompt-tokens tokens of a file that has them),
+greedy, EOS ignored so every run emits the same number of tokens. Prefix caching is off, so a
+prompt costs the same prefill whichever method runs it.
+
+1. Concurrency 1: each prompt alone, once per method (the order alternating from prompt to
+   prompt), on one engine whose requests choose the method (SamplingParams.speculative_method),
+   so every method runs on the same weights and threads. Prints per-method decode tokens/s
+   (first token to last: prefill excluded; p50/p90 over prompts and the aggregate), the ratio to
+   `none`, the acceptance rate and the mean accepted length (tokens emitted per verifying step,
+   the target's own included), and whether every method's tokens equal `none`'s (greedy
+   speculation is exact).
+2. Saturation: --batch-size prompts at once (continuous batching), speculation on (the engine's
+   adaptive default, with its max_batch_tokens) vs off, --repeats times alternately; prints the
+   best tokens/s of each, the ratio (below 0.95 would be a regression to report) and whether the
+   outputs are equal.
+
+A random built-in model never repeats itself, so prompt lookup is almost never right on it and
+its acceptance means nothing. --layer-scale S runs a copy of the model whose decoder layers'
+projections are scaled by S (0.36 on builtin:tiny: the test suite's repetitive fixture), which
+repeats with context-dependent breaks: acceptance is then real but says nothing about a trained
+model on real code. Read speed-ups only from a trained model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+from configs import EngineConfig
+from engine import LLMEngine, SamplingParams
+from engine.model.loader import resolve_model_path
+
+METHODS = ("none", "prompt_lookup")
+
+
+def scaled_copy(model: str, scale: float, out_dir: Path) -> str:
+    """A copy of the checkpoint with its decoder layers' projections (not the norms) times `scale`."""
+    from safetensors.torch import load_file, save_file
+
+    dst = out_dir / "model"
+    shutil.copytree(resolve_model_path(model), dst)
+    for weights in dst.glob("*.safetensors"):
+        tensors = {name: t * scale if "layers." in name and "norm" not in name else t
+                   for name, t in load_file(weights).items()}
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return str(dst)
+
+
+def stdlib_prompts(engine: LLMEngine, n: int, num_tokens: int, seed: int) -> list[list[int]]:
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    random.Random(seed).shuffle(files)
+    prompts = []
+    for path in files:
+        ids = engine.encode(path.read_text(errors="replace"))
+        if len(ids) >= num_tokens:
+            prompts.append(ids[:num_tokens])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]],
+             params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """Runs the prompts to completion together; returns the wall time, the time from the first
+    token to the end, and each prompt's tokens (in prompt order)."""
+    start = time.perf_counter()
+    first = None
+    ids = [f"b{i}-{time.perf_counter_ns()}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first is None and any(o.new_token_ids for o in outs):
+            first = time.perf_counter()
+        for out in outs:
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    end = time.perf_counter()
+    return end - start, end - (first or start), [outputs[i] for i in ids]
+
+
+def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> bool:
+    rates: dict[str, list[float]] = {m: [] for m in METHODS}
+    decode_s = {m: 0.0 for m in METHODS}
+    tokens: dict[str, list[list[int]]] = {m: [] for m in METHODS}
+    before = {m: (c.num_proposed, c.num_accepted, c.num_verified) for m, c in engine.speculator.totals.items()}
+    for i, prompt in enumerate(prompts):
+        for method in METHODS if i % 2 == 0 else reversed(METHODS):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative_method=method)
+            _, seconds, [out] = generate(engine, [prompt], params)
+            rates[method].append((len(out) - 1) / seconds)
+            decode_s[method] += seconds
+            tokens[method].append(out)
+    num_decoded = len(prompts) * (max_tokens - 1)
+    base = num_decoded / decode_s["none"]
+    print(f"concurrency 1: {len(prompts)} prompts x {max_tokens} tokens (decode tokens/s: prefill excluded)")
+    all_same = True
+    for method in METHODS:
+        agg = num_decoded / decode_s[method]
+        q = statistics.quantiles(rates[method], n=10) if len(rates[method]) > 1 else rates[method] * 9
+        same = tokens[method] == tokens["none"]
+        all_same &= same
+        line = (f"  {method:14s} {agg:8.1f} tok/s  (per prompt p50={statistics.median(rates[method]):.1f} "
+                f"p90={q[8]:.1f})  ratio vs none = {agg / base:.2f}")
+        if method != "none":
+            total = engine.speculator.totals.get(method)
+            p0, a0, v0 = before.get(method, (0, 0, 0))
+            proposed, accepted, verified = ((total.num_proposed - p0, total.num_accepted - a0, total.num_verified - v0)
+                                            if total is not None else (0, 0, 0))
+            if verified:
+                line += (f"  acceptance rate {accepted / proposed:.2f}  mean accepted length "
+                         f"{(accepted + verified) / verified:.2f}  ({proposed} proposed in {verified} verifications)")
+            else:
+                line += "  nothing proposed"
+            line += f"  outputs equal to none: {'yes' if same else 'NO'}"
+        print(line)
+    return all_same
+
+
+def saturation(model: str, dtype: str, prompts: list[list[int]], max_tokens: int, repeats: int,
+               speculative: dict) -> bool:
+    common = dict(model=model, dtype=dtype, max_num_seqs=len(prompts), enable_prefix_caching=False)
+    engines = {"off": LLMEngine(EngineConfig(**common)),
+               "on": LLMEngine(EngineConfig(**common, speculative=speculative))}
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    best = {name: float("inf") for name in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            seconds, _, outputs[name] = generate(engine, prompts, params)
+            best[name] = min(best[name], seconds)
+    total = len(prompts) * max_tokens
+    on = engines["on"].speculator.totals.get(speculative["method"])
+    same = outputs["on"] == outputs["off"]
+    print(f"saturation: {len(prompts)} sequences x {max_tokens} tokens (prefill included), best of {repeats}")
+    print(f"  off {total / best['off']:8.1f} tok/s   on (adaptive, max_batch_tokens="
+          f"{engines['on'].config.speculative.max_batch_tokens}) {total / best['on']:8.1f} tok/s   "
+          f"ratio on/off = {best['off'] / best['on']:.3f}   proposed {on.num_proposed if on else 0}, "
+          f"accepted {on.num_accepted if on else 0}   outputs equal: {'yes' if same else 'NO'}")
+    return same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:tiny", help="builtin:tiny, builtin:small or a local HF directory")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--layer-scale", type=float, default=None,
+                        help="run a copy of the model with decoder-layer projections times this (0.36: repetitive)")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32, help="saturation check: sequences at once (0: skip)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's, one per core; 1 when other work shares the cores)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
+        model = args.model if args.layer_scale is None else scaled_copy(args.model, args.layer_scale, Path(tmp))
+        speculative = {"method": "prompt_lookup", "num_tokens": args.num_speculative_tokens}
+        engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative,
+                                        enable_prefix_caching=False))
+        scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"
+        print(f"model {args.model}{scale}, dtype {next(engine.model.parameters()).dtype}, "
+              f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+              f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+        prompts = stdlib_prompts(engine, max(args.num_prompts, args.batch_size), args.prompt_tokens, args.seed)
+        generate(engine, prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+        ok = concurrency_one(engine, prompts[: args.num_prompts], args.max_tokens)
+        if args.batch_size:
+            batch = (prompts * (args.batch_size // len(prompts) + 1))[: args.batch_size]
+            ok &= saturation(model, args.dtype, batch, args.max_tokens, args.repeats, speculative)
+    if not ok:
+        sys.exit("speculative outputs differ from plain greedy")
+
+
+if __name__ == "__main__":
+    main()

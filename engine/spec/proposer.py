@@ -1,0 +1,62 @@
+"""What a proposer of speculative tokens promises the engine (engine/spec/speculator.py calls it).
+
+A proposer guesses the next tokens of decoding sequences; the target model computes those
+positions in the sequence's next step and keeps only what its own sampling would have produced
+(engine/spec/rejection.py), so a proposer changes speed, never output. Prompt lookup
+(engine/spec/prompt_lookup.py) needs no model; a draft model or Medusa heads plug in behind the
+same three calls.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Up to k proposed tokens for one sequence, following its last token."""
+
+    token_ids: tuple[int, ...]
+    # [len(token_ids), vocab] float32: the distribution each token was drawn from, for exact
+    # rejection sampling (a draft model's softmax). None: every token is a point mass
+    # (deterministic proposals: prompt lookup, greedy drafts).
+    draft_probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+NO_PROPOSAL = Proposal(())
+
+
+class BaseProposer(ABC):
+    """Call order, per engine step, on the engine's own thread:
+      1. `propose(seqs, max_num_tokens)` after the scheduler picked the step, for the decoding
+         sequences that may speculate. Each sequence's tokens (prompt + output) are final up to
+         its last token, whose KV is not yet computed; a proposal may be shorter than asked
+         (empty: nothing to propose) and is never longer.
+      2. `on_verified(seq, num_accepted)` after the step, for every sequence whose proposal was
+         verified: its first `num_accepted` proposed tokens are now its own (a draft model keeps
+         the KV of those and drops the rest).
+      3. `release(seq)` when a sequence leaves the engine or is preempted (its state goes).
+    Proposers hold no pages of the target's KV cache."""
+
+    method: str  # the name in configs (SpeculativeConfig.method) and in metric labels
+
+    @abstractmethod
+    def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
+        """One proposal per sequence, at most max_num_tokens[i] tokens long."""
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def release(self, seq: Sequence) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,175 @@
+"""Speculative decoding inside the engine's step: propose before the model runs, verify after.
+
+    sched = scheduler.schedule()
+    speculator.plan(sched, scheduler)      # decodes get proposals: 1 + k tokens to compute each
+    logits, sampled = runner.execute(...)  # k + 1 logit rows for a speculating sequence, 1 otherwise
+    results = speculator.sample(logits, sampled)   # verified tokens (1..k+1) per sequence
+    ... the engine appends them (stopping at a stop token / max_tokens), then
+    scheduler.commit_drafts(seq, num_accepted)     # KV of rejected positions dropped, pages freed
+
+`plan` proposes only for sequences whose next token is an ordinary decode (never a prompt chunk,
+a recomputation after preemption, or a prefill worker's held request), within what is left of
+the step's token budget and under `max_batch_tokens` (past which the step is compute-bound and
+verification would cost more than it saves), only where free pages allow (speculation never
+preempts), and never more tokens than the request may still emit. A request's method and k come
+from its SamplingParams, else the engine's SpeculativeConfig, and k adapts to its acceptance
+(engine/spec/adaptive.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from configs.engine import SpeculativeConfig
+from engine.sampler import sample
+from engine.spec.adaptive import SpecState
+from engine.spec.prompt_lookup import PromptLookupProposer
+from engine.spec.proposer import BaseProposer
+from engine.spec.rejection import rejection_sample, target_probs, verify_greedy
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+    from engine.sequence import Sequence
+
+
+@dataclass
+class SpecCounts:
+    num_proposed: int = 0  # proposed tokens verified
+    num_accepted: int = 0  # of which accepted
+    num_verified: int = 0  # sequence-steps that verified a proposal (mean accepted length's denominator)
+
+
+@dataclass
+class SpecStepStats:
+    """One step's verifications by method (engine/metrics/worker_metrics.py counts them)."""
+
+    by_method: dict[str, SpecCounts] = field(default_factory=dict)
+
+    def add(self, method: str, num_proposed: int, num_accepted: int) -> None:
+        counts = self.by_method.setdefault(method, SpecCounts())
+        counts.num_proposed += num_proposed
+        counts.num_accepted += num_accepted
+        counts.num_verified += 1
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What one sequence's rows of a step produced."""
+
+    token_ids: list[int]  # 1 + accepted proposals (the last one the target's own)
+    logprobs: list[float]  # raw log-probability of each, where asked (NaN elsewhere)
+    num_accepted: int  # proposals kept (0 without a proposal)
+
+
+def build_proposers(config: SpeculativeConfig) -> dict[str, BaseProposer]:
+    """Every method a request may ask for, whatever the engine's default ("none" has none)."""
+    return {PromptLookupProposer.method: PromptLookupProposer(config.ngram_min, config.ngram_max)}
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposers: dict[str, BaseProposer] | None = None) -> None:
+        self.config = config
+        self.proposers = build_proposers(config) if proposers is None else proposers
+        self.step_stats = SpecStepStats()  # of the latest step
+        self.totals: dict[str, SpecCounts] = {}  # lifetime, by method
+
+    # -- before the step ----------------------------------------------------------------------
+    def state_of(self, seq: Sequence) -> SpecState | None:
+        """The sequence's speculation state, made on first use; None when it does not speculate."""
+        if seq.spec is None:
+            p = seq.params
+            method = p.speculative_method or self.config.method
+            k = self.config.num_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
+            if method not in self.proposers or k == 0 or seq.hold_kv:
+                return None
+            seq.spec = SpecState(method, k, self.config.adaptive)
+        return seq.spec
+
+    def plan(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
+        """Adds proposals to the step's decodes in place (out.scheduled entries are replaced)."""
+        self.step_stats = SpecStepStats()  # this step's, filled by `sample`
+        if out.preempted:  # pages are short: no speculative work this step
+            return
+        budget = scheduler.max_num_batched_tokens - out.num_tokens
+        if self.config.max_batch_tokens:
+            budget = min(budget, self.config.max_batch_tokens - out.num_tokens)
+        wanted: dict[str, list[tuple[int, int]]] = {}  # method -> [(index in out.scheduled, k)]
+        for index, s in enumerate(out.scheduled):
+            if budget <= 0:
+                break
+            seq = s.seq
+            if not _is_decode(s) or (state := self.state_of(seq)) is None:
+                continue
+            room = min(seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens),
+                       seq.max_total_tokens - seq.num_tokens)
+            k = min(state.next_k(), room - 1, budget)  # the step emits up to k + 1 tokens
+            if k > 0:
+                wanted.setdefault(state.method, []).append((index, k))
+                budget -= k
+        for method, items in wanted.items():
+            proposer = self.proposers[method]
+            proposals = proposer.propose([out.scheduled[i].seq for i, _ in items], [k for _, k in items])
+            for (index, _), proposal in zip(items, proposals):
+                s = out.scheduled[index]
+                if len(proposal) and scheduler.allocate_drafts(s.seq, len(proposal)):
+                    out.scheduled[index] = s.with_draft(proposal, method)
+
+    # -- after the step -----------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Sampled]:
+        """logits: [rows, vocab], 1 + len(draft) rows per sampled sequence, in order."""
+        if all(s.draft is None for s in sampled):  # the plain path: one row each
+            tokens, logprobs = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled])
+            return [Sampled([t], [lp], 0) for t, lp in zip(tokens, logprobs)]
+        starts, row = [], 0
+        for s in sampled:
+            starts.append(row)
+            row += 1 + s.num_draft_tokens
+        plain = [i for i, s in enumerate(sampled) if s.draft is None]
+        results: list[Sampled | None] = [None] * len(sampled)
+        if plain:
+            rows = torch.tensor([starts[i] for i in plain])
+            tokens, logprobs = sample(logits[rows], [sampled[i].seq.params for i in plain],
+                                      [sampled[i].seq.generator for i in plain])
+            for i, t, lp in zip(plain, tokens, logprobs):
+                results[i] = Sampled([t], [lp], 0)
+        for i, s in enumerate(sampled):
+            if s.draft is not None:
+                results[i] = self._verify(s, logits[starts[i] : starts[i] + 1 + s.num_draft_tokens])
+        return [r for r in results if r is not None]
+
+    def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> Sampled:
+        seq, draft = s.seq, s.draft
+        assert draft is not None and seq.spec is not None
+        params = seq.params
+        if params.greedy:
+            tokens, accepted = verify_greedy(logits, draft.token_ids)
+        else:
+            tokens, accepted = rejection_sample(target_probs(logits, params), draft.token_ids, draft.draft_probs,
+                                                seq.generator)
+        logprobs = [float("nan")] * len(tokens)
+        if params.logprobs:
+            picked = torch.log_softmax(logits[: len(tokens)], dim=-1).gather(1, torch.tensor(tokens)[:, None])
+            logprobs = picked[:, 0].tolist()
+        seq.spec.record(len(draft), accepted)
+        self.step_stats.add(s.spec_method, len(draft), accepted)
+        total = self.totals.setdefault(s.spec_method, SpecCounts())
+        total.num_proposed += len(draft)
+        total.num_accepted += accepted
+        total.num_verified += 1
+        self.proposers[s.spec_method].on_verified(seq, accepted)
+        return Sampled(tokens, logprobs, accepted)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence left the engine or was preempted: its proposer forgets it."""
+        if seq.spec is not None:
+            self.proposers[seq.spec.method].release(seq)
+
+
+def _is_decode(s: ScheduledSeq) -> bool:
+    """An ordinary decode: one token, the newest, whose sampling follows a generated token."""
+    seq = s.seq
+    return (s.num_new_tokens == 1 and seq.num_computed_tokens == seq.num_tokens - 1
+            and seq.num_tokens > seq.num_prompt_tokens)

@@ -1,0 +1,109 @@
+"""engine/spec: the prompt-lookup proposer, the adaptive k of a request, and the speculative
+settings (engine config and SamplingParams) with their errors."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from configs import EngineSettings
+from engine.sampling_params import SamplingParams
+from engine.spec.adaptive import MAX_PAUSE_STEPS, SpecState
+from engine.spec.prompt_lookup import PromptLookupProposer, find_continuation
+
+
+def test_proposes_what_followed_the_longest_suffix_match():
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [9, 1, 2, 3, 7, 8, 1, 2, 3]
+    # suffix [1, 2, 3] occurred at 1..3, followed by 7, 8, 1, ...
+    assert find_continuation(tokens, 3, 1, 3) == [7, 8, 1]
+    assert find_continuation(tokens, 10, 1, 3) == [7, 8, 1, 2, 3]  # up to the end, never past it
+
+
+def test_the_most_recent_earlier_match_wins():
+    tokens = [5, 1, 2, 5, 3, 4, 5]
+    assert find_continuation(tokens, 2, 1, 1) == [3, 4]  # not [1, 2] after the first 5
+
+
+def test_longer_ngrams_take_precedence_over_more_recent_short_ones():
+    # [2, 5] occurs at 0 (followed by 6); the 1-gram [5] occurs more recently at 4 (followed by 9).
+    tokens = [2, 5, 6, 0, 5, 9, 3, 2, 5]
+    assert find_continuation(tokens, 2, 1, 2) == [6, 0]
+    assert find_continuation(tokens, 2, 1, 1) == [9, 3]
+    assert find_continuation(tokens, 2, 2, 2) == [6, 0]
+
+
+def test_no_match_no_proposal():
+    assert find_continuation([1, 2, 3, 4], 4, 1, 3) == []
+    assert find_continuation([1, 2, 3, 1], 0, 1, 3) == []  # k = 0
+    assert find_continuation([1], 4, 1, 3) == []  # nothing before the suffix
+    # only a 1-gram repeats, but the proposer wants at least 2
+    assert find_continuation([4, 5, 6, 4], 3, 2, 3) == []
+
+
+def test_a_match_must_lie_before_the_suffix_itself():
+    # A cycle of period 1: the suffix [7] matched at 2 is followed by the final 7.
+    assert find_continuation([1, 7, 7], 3, 1, 3) == [7]
+    assert find_continuation([1, 7], 3, 1, 3) == []
+
+
+def test_proposer_caps_each_sequence_at_its_k():
+    class Seq:
+        def __init__(self, tokens):
+            self.token_ids = tokens
+
+    proposals = PromptLookupProposer(1, 3).propose([Seq([1, 2, 3, 4, 1]), Seq([6, 6, 6]), Seq([8, 9])], [2, 5, 3])
+    assert [p.token_ids for p in proposals] == [(2, 3), (6,), ()]
+    assert all(p.draft_probs is None for p in proposals)  # point masses
+    with pytest.raises(ValueError):
+        PromptLookupProposer(3, 2)
+
+
+def test_adaptive_k_grows_on_hits_shrinks_on_misses_and_pauses_on_total_misses():
+    state = SpecState("prompt_lookup", max_k=5)
+    assert state.next_k() == 5
+    state.record(5, 2)  # a miss after two hits: next k = 3
+    assert state.next_k() == 3
+    state.record(3, 3)  # all hit: grow
+    assert state.next_k() == 4
+    state.record(2, 2)  # a short proposal fully accepted does not shrink k
+    assert state.next_k() == 4
+    state.record(4, 0)  # a total miss: k = 1 after a pause of 1 step, then 2, 4 ...
+    assert [state.next_k() for _ in range(2)] == [0, 1]
+    state.record(1, 0)
+    assert [state.next_k() for _ in range(3)] == [0, 0, 1]
+    for _ in range(10):
+        state.record(1, 0)
+        state.pause_steps = 0
+    assert state.backoff_steps == MAX_PAUSE_STEPS
+    state.record(1, 1)  # a hit resets the back-off
+    assert state.backoff_steps == 1 and state.next_k() == 2
+    assert (state.num_proposed, state.num_accepted, state.num_verified) == (5 + 3 + 2 + 4 + 1 + 10 + 1,
+                                                                              2 + 3 + 2 + 1, 16)
+
+
+def test_fixed_k_when_not_adaptive():
+    state = SpecState("prompt_lookup", max_k=3, adaptive=False)
+    state.record(3, 0)
+    assert state.next_k() == 3
+
+
+def test_speculative_settings_are_validated():
+    s = EngineSettings.model_validate({"speculative": {"method": "prompt_lookup", "num_tokens": 6,
+                                                       "ngram_min": 2, "ngram_max": 4}})
+    assert (s.speculative.method, s.speculative.num_tokens, s.speculative.ngram_min) == ("prompt_lookup", 6, 2)
+    assert EngineSettings().speculative.method == "none"
+    for bad, message in (({"method": "medusa"}, "method"), ({"num_tokens": 0}, "num_tokens"),
+                         ({"num_tokens": 17}, "num_tokens"), ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
+                         ({"k": 3}, "k")):
+        with pytest.raises(ValidationError, match=message):
+            EngineSettings.model_validate({"speculative": bad})
+
+
+def test_sampling_params_speculative_fields():
+    assert SamplingParams(speculative_method="prompt_lookup", num_speculative_tokens=0).num_speculative_tokens == 0
+    with pytest.raises(ValueError, match="speculative_method must be one of none, prompt_lookup"):
+        SamplingParams(speculative_method="eagle")
+    for bad in (-1, 17, True, 2.0):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            SamplingParams(num_speculative_tokens=bad)
