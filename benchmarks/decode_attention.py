@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from engine.metrics.peak import measure_read_bandwidth
 from engine.model.compute_dtype import resolve_dtype
 from kernels import cpu_ops
 
@@ -68,16 +69,6 @@ def _run(args, dtype, table: torch.Tensor, gen) -> list[float]:
     return ms
 
 
-def _streaming_read_gbs(nbytes: int) -> float:
-    """GB/s of summing a buffer of `nbytes` (at least 256 MiB, past any cache) with every thread."""
-    x = torch.ones(max(nbytes, 256 << 20) // 4)
-    x.sum()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        x.sum()
-    return 3 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has it natively), bfloat16, float32")
@@ -108,7 +99,7 @@ def main() -> None:
     context = args.prefix + args.suffix
     shared_bytes = (args.prefixes * args.prefix + args.batch * args.suffix) * token_bytes
     private_bytes = args.batch * context * token_bytes
-    floor = _streaming_read_gbs(private_bytes)
+    floor = measure_read_bandwidth(max(private_bytes, 256 << 20)) / 1e9
     print(f"{args.batch} decodes x {context} tokens ({args.prefixes} shared {args.prefix}-token prefixes), "
           f"{args.layers} layers, {args.heads}/{args.kv_heads} heads x {args.head_dim}, {dtype}, "
           f"{torch.get_num_threads()} threads; streaming read {floor:.1f} GB/s")

@@ -28,14 +28,10 @@ import torch
 
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
+from engine.metrics.peak import measure_read_bandwidth
 from engine.metrics.roofline import ModelCost
 from engine.metrics.step_stats import StepWork
 from loadgen.metrics import summarize
-
-
-def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / min(_timed(buf.sum) for _ in range(repeats))
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
@@ -98,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
-    bandwidth = read_bandwidth()
+    bandwidth = measure_read_bandwidth()
     results = {}
     for backend in args.backends.split(","):
         engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, attention_backend=backend,

@@ -32,6 +32,7 @@ import torch
 
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
+from engine.metrics.peak import measure_read_bandwidth
 from engine.model.loader import DTYPES
 from loadgen.metrics import summarize
 
@@ -44,17 +45,6 @@ def make_workload(vocab: int, n: int, seed: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([0] + [rng.randrange(3, vocab) for _ in range(rng.randint(32, 1024) - 1)], rng.randint(16, 256))
             for _ in range(n)]
-
-
-def measure_read_bandwidth(num_bytes: int, repeats: int = 7) -> float:
-    """Bytes/s of a full streaming read (sum) of a buffer of num_bytes; best of `repeats`."""
-    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best
 
 
 def run_engine(engine: LLMEngine, workload) -> tuple[float, list[float], list[list[int]]]:
@@ -125,7 +115,7 @@ def main() -> int:
           f"torch threads {torch.get_num_threads()}, pages {engine.page_manager.num_pages}")
 
     # 1. Batch-1 decode against the bandwidth floor (bandwidth measured right before).
-    bandwidth = measure_read_bandwidth(weight_bytes)
+    bandwidth = measure_read_bandwidth(weight_bytes, repeats=7)
     floor = weight_bytes / bandwidth
     decode = batch1_decode(engine, vocab)
     d = summarize(decode)

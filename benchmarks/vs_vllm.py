@@ -32,7 +32,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,19 +64,6 @@ def workloads(quick: bool, vocab: int) -> dict[str, tuple[WorkloadSpec, dict]]:
         "sweep": (fixed("sweep", 32, 512, 128, seed=404), {}),
         "prefix": (fixed("prefix", 64, 1024, 128, seed=505, num_prefixes=8, suffix_len=128), dict(max_concurrency=32)),
     }
-
-
-def read_bandwidth_bytes_per_s(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Best streaming read (a sum) of a buffer far larger than the caches, with every core."""
-    import torch
-
-    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best
 
 
 def weight_bytes(model_dir: Path, dtype_bytes: int) -> int:
@@ -222,7 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype_bytes = resolve_dtype(args.dtype, "cpu").itemsize
-    bandwidth = read_bandwidth_bytes_per_s()
+    from engine.metrics.peak import measure_read_bandwidth  # torch: only where the floor is measured
+
+    bandwidth = measure_read_bandwidth()
     wbytes = weight_bytes(model_dir, dtype_bytes)
     floor_s = wbytes / bandwidth
     print(f"model {model_dir} ({wbytes / 1e6:.0f} MB in {args.dtype}); read bandwidth {bandwidth / 1e9:.1f} GB/s; "

@@ -58,6 +58,15 @@ def measure_peak(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
                 source="measured")
 
 
+@torch.inference_mode()
+def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` streaming reads (a sum, every thread) of a CPU buffer of
+    `num_bytes`, far larger than the caches by default: the floor the benchmarks hold
+    memory-bound steps to (benchmarks/vs_vllm.py, engine_steps.py, decode_attention.py)."""
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return buf.numel() * 4 / _best_time_s(buf.sum, repeats, buf.device)
+
+
 def resolve_peak(memory_bandwidth_gbps: float | None, tflops: float | None, device: str, dtype_name: str) -> Peak:
     """The configured peaks; whichever is not configured is measured (`source` says which)."""
     if memory_bandwidth_gbps is not None and tflops is not None:
