@@ -378,3 +378,40 @@ def test_decodes_sharing_prefix_pages_match_their_own_copies(dtype):
     assert torch.equal(got, own)
     want = _oracle(query, k_cache, v_cache, shared, starts, lens, 18, 0.125)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_sharing_a_long_prefix_are_attended_as_one_group(dtype):
+    """Decodes sharing 64 or more keys of whole pages take the group path on AMX in bf16
+    (kernels/cpu/shared_prefix_amx.h: the prefix once for all sharers, then each tail merged in)
+    and the decode path elsewhere; both give the oracle's output. The groups here: 5 sharers of
+    6 pages, one of them ending exactly where the prefix does (no tail of its own); 3 sharers
+    whose tables agree on only 4 of the 6 pages one of them shares with the others' owner; a
+    pair sharing 3 pages (48 keys: too few, decode path); a prefill chunk in the same call."""
+    gen = torch.Generator().manual_seed(21)
+    page = 16
+    ctx_lens = [6 * page, 6 * page + 1, 6 * page + 37, 6 * page + 90, 6 * page + 15,  # group A (owner 0)
+                6 * page + 20, 6 * page + 3, 4 * page + 40,                         # group B (owner 5)
+                3 * page + 9, 3 * page + 30]                                         # too short a prefix
+    num_decode = len(ctx_lens)
+    q_lens = [1] * num_decode + [40]
+    query, k_cache, v_cache, table, starts, lens = _paged_batch(
+        q_lens, ctx_lens + [6 * page + 50], page, 12, 4, 64, dtype, gen)
+    private_k, private_v = k_cache.clone(), v_cache.clone()
+    shared = table.clone()
+    for b, owner, pages in [(1, 0, 6), (2, 0, 6), (3, 0, 6), (4, 0, 6), (6, 5, 6), (7, 5, 4), (9, 8, 3)]:
+        shared[b, :pages] = table[owner, :pages]
+        for p in range(pages):  # the private copies: the same keys and values in the sharer's own pages
+            private_k[table[b, p]] = k_cache[table[owner, p]]
+            private_v[table[b, p]] = v_cache[table[owner, p]]
+    got = cpu_ops.paged_attention(query, k_cache, v_cache, shared, starts, lens, 0.125)
+    want = _oracle(query, k_cache, v_cache, shared, starts, lens, num_decode, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    own = cpu_ops.paged_attention(query, private_k, private_v, table, starts, lens, 0.125)
+    torch.testing.assert_close(own.float(), want.float(), **TOL[dtype])
+    grouped = dtype == torch.bfloat16 and cpu_ops.amx_attention_supported()
+    # The group path rounds the prefix's softmax weights to bf16 where the decode path keeps fp32,
+    # so its sharers' outputs differ from their private copies' in the last bits; nothing else does.
+    differs = (got != own).flatten(1).any(1)
+    assert differs[:8].any().item() == grouped
+    assert not differs[8:].any()
