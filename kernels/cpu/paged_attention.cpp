@@ -53,6 +53,7 @@ using pdserve::exp8;
 using pdserve::hmax;
 using pdserve::hsum;
 using pdserve::load8;
+using pdserve::prefetch_page;
 using pdserve::v8f;
 
 // Pages prefetched ahead of the one being read, into L2 (into L1 they evicted the page in use:
@@ -108,14 +109,6 @@ inline v8f sum8(const v8f* s) {
   const v8f hi = hadd(hadd(s[4], s[5]), hadd(s[6], s[7]));
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
          __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-// Asks for a coming page's slice (n tokens x `bytes` per token) while this page is computed:
-// pages sit at random places in the cache, where the hardware prefetcher cannot follow.
-inline void prefetch_page(const void* base, int64_t n, int64_t token_stride_bytes, int64_t bytes) {
-  const char* p = static_cast<const char*>(base);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + j * token_stride_bytes + b, 0, 1);  // to L2
 }
 
 // One head's slice of a page: `stride` elements between consecutive tokens.
@@ -512,21 +505,22 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
       const Item& item = items[i];
 #if PDSERVE_SHARED_PREFIX_AMX
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (NV * 8) % 32 == 0) {
-        if (item.shared >= 0) {  // one KV head of a shared prefix's group (shared_prefix_amx.h)
+        if (item.shared >= 0) {  // KV heads of a shared prefix's group (shared_prefix_amx.h)
           constexpr int D = NV * 8;
           const SharedPrefix& sp = shared[item.shared];
-          const int64_t h = item.kv_head;
-          q_tokens.clear();
-          for (const Item& m : sp.members) q_tokens.push_back(m.q_begin);
-          pdserve::attend_shared_prefix_amx<D>(q, query.stride(0), query.stride(1), q_tokens.data(),
-                                               static_cast<int64_t>(q_tokens.size()), group, h, kc, vc,
-                                               table + sp.members[0].seq * table_stride, page_size, kv_heads,
-                                               sp.keys, static_cast<float>(scale), prefix_scratch, prefix);
-          for (size_t m = 0; m < sp.members.size(); ++m)
-            attend_item<scalar_t, NV>({sp.members[m].seq, sp.members[m].q_begin, sp.members[m].q_end, h}, q,
-                                      query.stride(0), query.stride(1), kc, vc, table, table_stride, starts, lens, o,
-                                      group, page_size, kv_heads, static_cast<float>(scale), qf, scores, acc, limits,
-                                      page_f, sp.keys, &prefix, static_cast<int64_t>(m) * group);
+          for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h) {
+            q_tokens.clear();
+            for (const Item& m : sp.members) q_tokens.push_back(m.q_begin);
+            pdserve::attend_shared_prefix_amx<D>(q, query.stride(0), query.stride(1), q_tokens.data(),
+                                                 static_cast<int64_t>(q_tokens.size()), group, h, kc, vc,
+                                                 table + sp.members[0].seq * table_stride, page_size, kv_heads,
+                                                 sp.keys, static_cast<float>(scale), prefix_scratch, prefix);
+            for (size_t m = 0; m < sp.members.size(); ++m)
+              attend_item<scalar_t, NV>({sp.members[m].seq, sp.members[m].q_begin, sp.members[m].q_end, h}, q,
+                                        query.stride(0), query.stride(1), kc, vc, table, table_stride, starts, lens, o,
+                                        group, page_size, kv_heads, static_cast<float>(scale), qf, scores, acc, limits,
+                                        page_f, sp.keys, &prefix, static_cast<int64_t>(m) * group);
+          }
           continue;
         }
       }
@@ -695,8 +689,14 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
   // have work.
   std::vector<Item> items;
   items.reserve((tiles.size() + shared.size()) * kv_heads);
-  for (size_t g = 0; g < shared.size(); ++g)
-    for (int64_t h = 0; h < kv_heads; ++h) items.push_back({-1, 0, 0, h, 1, static_cast<int64_t>(g)});
+  // A group's KV heads one after another on one core where there are groups enough for every
+  // thread (the reason is the tiles', below), else one item per head.
+  const bool whole_groups = static_cast<int64_t>(shared.size()) >= 2 * at::get_num_threads();
+  for (size_t g = 0; g < shared.size(); ++g) {
+    if (whole_groups) items.push_back({-1, 0, 0, 0, kv_heads, static_cast<int64_t>(g)});
+    else
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({-1, 0, 0, h, 1, static_cast<int64_t>(g)});
+  }
   if (static_cast<int64_t>(tiles.size()) >= kTilesPerThreadForWholeItems * at::get_num_threads()) {
     for (const Item& t : tiles) items.push_back({t.seq, t.q_begin, t.q_end, 0, kv_heads});
   } else {

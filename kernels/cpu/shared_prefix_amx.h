@@ -88,7 +88,13 @@ void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int6
   alignas(64) static const uint16_t interleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i vidx = _mm512_load_si512(interleave);
+  // Pages lie anywhere in the cache: each loop asks for the page kAhead blocks on (into L2).
+  constexpr int64_t kAhead = 4 * 16;
+  constexpr int64_t kRowBytes = D * sizeof(c10::BFloat16);
+  const int64_t tok_bytes = tok_stride * sizeof(c10::BFloat16);
+  for (int64_t t = 0; t < kAhead && t < shared; t += 16) prefetch_page(tokens(v_cache, t), 16, tok_bytes, kRowBytes);
   for (int64_t t = 0; t < shared; t += 16) {
+    if (t + kAhead < shared) prefetch_page(tokens(v_cache, t + kAhead), 16, tok_bytes, kRowBytes);
     const uint16_t* v = reinterpret_cast<const uint16_t*>(tokens(v_cache, t));
     for (int64_t j = 0; j < 8; ++j) {
       const uint16_t* v0 = v + 2 * j * tok_stride;
@@ -118,7 +124,9 @@ void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int6
     }
     // 1. S^T: C (tile 0: 16 keys x 16 rows) += A (tile 1: 16 keys x 32 dims) x B (tile 2: 16
     // dim pairs x 16 rows), over the head-dim chunks.
+    for (int64_t t = 0; t < kAhead && t < shared; t += 16) prefetch_page(tokens(k_cache, t), 16, tok_bytes, kRowBytes);
     for (int64_t t = 0; t < shared; t += 16) {
+      if (t + kAhead < shared) prefetch_page(tokens(k_cache, t + kAhead), 16, tok_bytes, kRowBytes);
       const c10::BFloat16* k = tokens(k_cache, t);
       _tile_zero(0);
       for (int c = 0; c < kChunks; ++c) {

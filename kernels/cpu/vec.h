@@ -172,4 +172,12 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// Asks for a coming page's slice (n tokens x `bytes` per token) while this page is computed:
+// pages sit at random places in the cache, where the hardware prefetcher cannot follow.
+inline void prefetch_page(const void* base, int64_t n, int64_t token_stride_bytes, int64_t bytes) {
+  const char* p = static_cast<const char*>(base);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + j * token_stride_bytes + b, 0, 1);  // to L2
+}
+
 }  // namespace pdserve
