@@ -33,6 +33,12 @@ class SpeculativeConfig(BaseModel):
     # limit. Meant to keep speculation at saturation nearly free: benchmarks/spec_decode.py
     # measures it (docs/benchmarks.md: 0.99x on builtin:small, 0.92-0.94x on builtin:tiny).
     max_batch_tokens: int = Field(48, ge=0)
+    # A step with more sequences than this (decodes and prompt chunks) gets no proposals and runs
+    # no proposer: at saturation the step is compute-bound and speculation only costs (the rows,
+    # and the per-sequence Python of proposing and verifying). 0 = no limit. The default is from
+    # builtin:tiny on a CPU (docs/benchmarks.md): speculating paid at 4 sequences (1.06x) and
+    # cost 7% at 8. Raise it where decode is memory-bound (larger models, GPUs).
+    max_batch_seqs: int = Field(4, ge=0, le=4096)
     # Each request's k follows its acceptance: one more after a step that accepted everything,
     # down to what was accepted (+1) after a miss, and a growing pause after a step accepting none.
     adaptive: bool = True
