@@ -17,7 +17,7 @@ prompt costs the same prefill whichever method runs it.
    the target's own included), and whether every method's tokens equal `none`'s (greedy
    speculation is exact).
 2. Saturation: --batch-size prompts at once (continuous batching), speculation on (the engine's
-   adaptive default, with its max_batch_tokens) vs off, --repeats times alternately; prints the
+   adaptive default, with its max_batch_tokens and max_batch_seqs) vs off, --repeats times alternately; prints the
    best tokens/s of each, the ratio (below 0.95 would be a regression to report) and whether the
    outputs are equal.
 
@@ -154,8 +154,9 @@ def saturation(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
     on = engines["on"].speculator.totals.get(speculative["method"])
     same = outputs["on"] == outputs["off"]
     print(f"saturation: {len(prompts)} sequences x {max_tokens} tokens (prefill included), best of {repeats}")
-    print(f"  off {total / best['off']:8.1f} tok/s   on (adaptive, max_batch_tokens="
-          f"{engines['on'].config.speculative.max_batch_tokens}) {total / best['on']:8.1f} tok/s   "
+    on_config = engines["on"].config.speculative
+    print(f"  off {total / best['off']:8.1f} tok/s   on (adaptive, max_batch_tokens={on_config.max_batch_tokens}, "
+          f"max_batch_seqs={on_config.max_batch_seqs}) {total / best['on']:8.1f} tok/s   "
           f"ratio on/off = {best['off'] / best['on']:.3f}   proposed {on.num_proposed if on else 0}, "
           f"accepted {on.num_accepted if on else 0}   outputs equal: {'yes' if same else 'NO'}")
     return same
@@ -172,6 +173,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32, help="saturation check: sequences at once (0: skip)")
+    parser.add_argument("--max-batch-seqs", type=int, default=None,
+                        help="speculative.max_batch_seqs for the saturation run (default: the engine's; 0: no limit)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
@@ -182,6 +185,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
         model = args.model if args.layer_scale is None else scaled_copy(args.model, args.layer_scale, Path(tmp))
         speculative = {"method": "prompt_lookup", "num_tokens": args.num_speculative_tokens}
+        if args.max_batch_seqs is not None:
+            speculative["max_batch_seqs"] = args.max_batch_seqs
         engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative,
                                         enable_prefix_caching=False))
         scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"
