@@ -116,8 +116,12 @@ class Speculator:
             proposals = proposer.propose([out.scheduled[i].seq for i, _ in items], [k for _, k in items])
             for (index, _), proposal in zip(items, proposals):
                 s = out.scheduled[index]
-                if len(proposal) and scheduler.allocate_drafts(s.seq, len(proposal)):
+                if not len(proposal):
+                    continue
+                if scheduler.allocate_drafts(s.seq, len(proposal)):
                     out.scheduled[index] = s.with_draft(proposal, method)
+                else:  # no pages for it: as if all rejected (a draft model drops its guesses' KV)
+                    proposer.on_verified(s.seq, 0)
 
     # -- after the step -----------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Sampled]:
