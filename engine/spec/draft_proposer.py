@@ -15,10 +15,13 @@ The twin then holds KV for the sequence's tokens and the first k - 1 guesses. `o
 rolls it back to the accepted ones and frees the pages past them; `release` frees all of the
 twin's pages when the sequence finishes, aborts or is preempted.
 
-Proposals are greedy (argmax), so they are point masses: greedy requests keep exactly the
-target's greedy tokens, and sampled requests are verified by the exact rule for deterministic
-proposals (engine/spec/rejection.py): their output is distributed as the target's, though a
-sampled draft would be accepted more often at high temperature.
+A greedy request's guesses are the draft's argmax (point masses: the output stays exactly the
+target's greedy tokens). A sampled request's guesses are drawn from the draft's distribution
+under the request's own temperature, top-k and top-p, which go with the proposal as
+`draft_probs` for the general rejection rule (engine/spec/rejection.py): the output is
+distributed as the target's. A seeded request's draft draws come from a generator of its own,
+seeded from the request's seed but not equal to it: the draft's draws must be independent of the
+verification's, which use the request's generator.
 """
 
 from __future__ import annotations
@@ -26,10 +29,17 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import torch
+
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from engine.spec.draft_model import DraftModel
 from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
+from engine.spec.rejection import target_probs
+
+# Mixes a request's seed into its draft generator's (an LCG step): same seed, same draft draws,
+# but never the verification's own stream.
+_SEED_MULTIPLIER, _SEED_INCREMENT = 6364136223846793005, 1442695040888963407
 
 
 @dataclass
@@ -51,6 +61,7 @@ class DraftModelProposer(BaseProposer):
     # -- the proposer interface -----------------------------------------------------------------
     def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
         guesses: dict[int, list[int]] = {}  # index in seqs -> tokens proposed so far
+        draws: dict[int, list[torch.Tensor]] = {}  # index in seqs -> [vocab] distributions (sampled requests)
         wants: dict[int, int] = {}  # index in seqs -> k
         step: list[ScheduledSeq] = []
         index_of: dict[int, int] = {}  # id(twin sequence) -> index in seqs
@@ -78,8 +89,12 @@ class DraftModelProposer(BaseProposer):
             for s in step:
                 s.seq.num_computed_tokens += s.num_new_tokens
             next_step = []
-            for s, token in zip(sampled, logits.argmax(dim=-1).tolist()):
+            for row, (s, token) in enumerate(zip(sampled, logits.argmax(dim=-1).tolist())):
                 i = index_of[id(s.seq)]
+                if not s.seq.params.greedy:
+                    q = target_probs(logits[row : row + 1], s.seq.params)[0]  # [vocab]
+                    token = int(torch.multinomial(q, 1, generator=s.seq.generator)[0])
+                    draws.setdefault(i, []).append(q)
                 guesses[i].append(token)
                 if len(guesses[i]) < wants[i]:
                     s.seq.token_ids.append(token)  # fed next step: its KV is the next position's
@@ -87,7 +102,7 @@ class DraftModelProposer(BaseProposer):
             step = next_step
         proposals = [NO_PROPOSAL] * len(seqs)
         for i, tokens in guesses.items():
-            proposals[i] = Proposal(tuple(tokens))
+            proposals[i] = Proposal(tuple(tokens), torch.stack(draws[i]) if i in draws else None)
         return proposals
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
@@ -111,6 +126,9 @@ class DraftModelProposer(BaseProposer):
         twin = self.twins.get(seq.request_id)
         if twin is None:
             twin = DraftTwin(Sequence(seq.request_id, [], seq.params, 0, seq.max_total_tokens))
+            if seq.params.seed is not None:
+                seed = (seq.params.seed * _SEED_MULTIPLIER + _SEED_INCREMENT) % 2**64
+                twin.seq.generator = torch.Generator().manual_seed(seed)
             self.twins[seq.request_id] = twin
         draft, target = twin.seq.token_ids, seq.token_ids
         limit = min(twin.seq.num_computed_tokens, seq.num_tokens - 1)

@@ -176,6 +176,23 @@ def test_sampling_with_a_point_mass_target_equals_greedy(loopy_dir, loopy_draft_
     assert_draft_pages_free(engine)
 
 
+def test_sampled_requests_verify_the_drafts_distributions(tiny_dir):
+    """The model as its own draft and plain temperature sampling: the draft's distribution is the
+    target's (q = p), so the general rule accepts nearly every guess; a point-mass rule would
+    accept a guess only with probability p(guess). Seeded, a run repeats exactly."""
+    prompts = prompts_of(3, 30, seed=67)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=5)
+    runs = []
+    for _ in range(2):
+        engine = make_engine(tiny_dir, draft_config(tiny_dir))
+        runs.append(run_checked(engine, {0: dict(prompts)}, params))
+        assert_draft_pages_free(engine)
+    assert all(runs[0][rid].token_ids == runs[1][rid].token_ids for rid in prompts)
+    proposed = sum(o.num_spec_proposed for o in runs[0].values())
+    accepted = sum(o.num_spec_accepted for o in runs[0].values())
+    assert proposed > 40 and accepted >= 0.97 * proposed
+
+
 def test_requests_choose_the_draft_where_one_is_loaded(loopy_dir, loopy_draft_dir):
     prompts = prompts_of(2, 30, seed=65)
     engine = make_engine(loopy_dir, {"method": "prompt_lookup", "draft_model": str(loopy_draft_dir)})
