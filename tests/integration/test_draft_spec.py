@@ -18,13 +18,6 @@ from tests.helpers import assert_no_page_leak, hf_greedy, prefill_and_ship, writ
 from tests.integration.test_spec_decode import GREEDY, check_same, make_engine, prompts_of, run
 
 
-@pytest.fixture(scope="module")
-def loopy_draft_dir(loopy_dir, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("draft") / "model"
-    write_truncated_model(loopy_dir, dst, num_layers=1)
-    return dst
-
-
 def draft_config(draft_dir, **extra) -> dict:
     return {"method": "draft", "draft_model": str(draft_dir), "num_tokens": 4, "max_batch_seqs": 0, **extra}
 
