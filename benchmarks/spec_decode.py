@@ -3,6 +3,8 @@
     python benchmarks/spec_decode.py                                  # builtin:tiny, quick
     python benchmarks/spec_decode.py --layer-scale 0.36               # builtin:tiny made repetitive
     python benchmarks/spec_decode.py --model /path/to/hf-model --num-prompts 8 --max-tokens 128
+    python benchmarks/spec_decode.py --layer-scale 0.36 --draft-layers 1     # + a draft: the target's first layer
+    python benchmarks/spec_decode.py --model builtin:code-small --draft-model builtin:code-draft
 
 Workload: code-completion prompts cut from this Python's standard library sources (files
 chosen with --seed, each prompt the first --prompt-tokens tokens of a file that has them),
@@ -11,15 +13,16 @@ prompt costs the same prefill whichever method runs it.
 
 1. Concurrency 1: each prompt alone, once per method (the order alternating from prompt to
    prompt), on one engine whose requests choose the method (SamplingParams.speculative_method),
-   so every method runs on the same weights and threads. Prints per-method decode tokens/s
+   so every method runs on the same weights and threads (`draft` too, with --draft-model or
+   --draft-layers). Prints per-method decode tokens/s
    (first token to last: prefill excluded; p50/p90 over prompts and the aggregate), the ratio to
    `none`, the acceptance rate and the mean accepted length (tokens emitted per verifying step,
    the target's own included), and whether every method's tokens equal `none`'s (greedy
    speculation is exact).
 2. Saturation: --batch-size prompts at once (continuous batching), speculation on (the engine's
-   adaptive default, with its max_batch_tokens) vs off, --repeats times alternately; prints the
-   best tokens/s of each, the ratio (below 0.95 would be a regression to report) and whether the
-   outputs are equal.
+   adaptive default, with its max_batch_tokens and max_batch_seqs; --saturation-method) vs off,
+   --repeats times alternately; prints the best tokens/s of each, the ratio (below 0.95 would be
+   a regression to report) and whether the outputs are equal.
 
 A random built-in model never repeats itself, so prompt lookup is almost never right on it and
 its acceptance means nothing. --layer-scale S runs a copy of the model whose decoder layers'
@@ -50,7 +53,7 @@ from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.model.loader import resolve_model_path
 
-METHODS = ("none", "prompt_lookup")
+METHODS = ("none", "prompt_lookup")  # and "draft" when the run has a draft model
 
 
 def scaled_copy(model: str, scale: float, out_dir: Path) -> str:
@@ -63,6 +66,25 @@ def scaled_copy(model: str, scale: float, out_dir: Path) -> str:
         tensors = {name: t * scale if "layers." in name and "norm" not in name else t
                    for name, t in load_file(weights).items()}
         save_file(tensors, weights, metadata={"format": "pt"})
+    return str(dst)
+
+
+def truncated_copy(model: str, num_layers: int, out_dir: Path) -> str:
+    """A copy of the checkpoint keeping its first `num_layers` decoder layers: a draft that shares
+    the target's vocabulary and agrees with it often, with no training."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst = out_dir / "draft"
+    shutil.copytree(model if Path(model).is_dir() else resolve_model_path(model), dst)
+    for weights in dst.glob("*.safetensors"):
+        tensors = {name: t for name, t in load_file(weights).items()
+                   if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+        save_file(tensors, weights, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
     return str(dst)
 
 
@@ -100,13 +122,13 @@ def generate(engine: LLMEngine, prompts: list[list[int]],
     return end - start, end - (first or start), [outputs[i] for i in ids]
 
 
-def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> bool:
-    rates: dict[str, list[float]] = {m: [] for m in METHODS}
-    decode_s = {m: 0.0 for m in METHODS}
-    tokens: dict[str, list[list[int]]] = {m: [] for m in METHODS}
+def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, methods: tuple[str, ...]) -> bool:
+    rates: dict[str, list[float]] = {m: [] for m in methods}
+    decode_s = {m: 0.0 for m in methods}
+    tokens: dict[str, list[list[int]]] = {m: [] for m in methods}
     before = {m: (c.num_proposed, c.num_accepted, c.num_verified) for m, c in engine.speculator.totals.items()}
     for i, prompt in enumerate(prompts):
-        for method in METHODS if i % 2 == 0 else reversed(METHODS):
+        for method in methods if i % 2 == 0 else reversed(methods):
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative_method=method)
             _, seconds, [out] = generate(engine, [prompt], params)
             rates[method].append((len(out) - 1) / seconds)
@@ -116,7 +138,7 @@ def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
     base = num_decoded / decode_s["none"]
     print(f"concurrency 1: {len(prompts)} prompts x {max_tokens} tokens (decode tokens/s: prefill excluded)")
     all_same = True
-    for method in METHODS:
+    for method in methods:
         agg = num_decoded / decode_s[method]
         q = statistics.quantiles(rates[method], n=10) if len(rates[method]) > 1 else rates[method] * 9
         same = tokens[method] == tokens["none"]
@@ -154,8 +176,10 @@ def saturation(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
     on = engines["on"].speculator.totals.get(speculative["method"])
     same = outputs["on"] == outputs["off"]
     print(f"saturation: {len(prompts)} sequences x {max_tokens} tokens (prefill included), best of {repeats}")
-    print(f"  off {total / best['off']:8.1f} tok/s   on (adaptive, max_batch_tokens="
-          f"{engines['on'].config.speculative.max_batch_tokens}) {total / best['on']:8.1f} tok/s   "
+    on_config = engines["on"].config.speculative
+    print(f"  off {total / best['off']:8.1f} tok/s   on ({on_config.method}, adaptive, "
+          f"max_batch_tokens={on_config.max_batch_tokens}, "
+          f"max_batch_seqs={on_config.max_batch_seqs}) {total / best['on']:8.1f} tok/s   "
           f"ratio on/off = {best['off'] / best['on']:.3f}   proposed {on.num_proposed if on else 0}, "
           f"accepted {on.num_accepted if on else 0}   outputs equal: {'yes' if same else 'NO'}")
     return same
@@ -167,11 +191,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--layer-scale", type=float, default=None,
                         help="run a copy of the model with decoder-layer projections times this (0.36: repetitive)")
+    parser.add_argument("--draft-model", default=None,
+                        help="adds method `draft`: this checkpoint (the target's tokenizer) proposes")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="adds method `draft`: the (scaled) target cut to its first N layers proposes")
+    parser.add_argument("--saturation-method", choices=("prompt_lookup", "draft"), default="prompt_lookup")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32, help="saturation check: sequences at once (0: skip)")
+    parser.add_argument("--max-batch-seqs", type=int, default=None,
+                        help="speculative.max_batch_seqs for the saturation run (default: the engine's; 0: no limit)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
@@ -181,16 +212,30 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
         model = args.model if args.layer_scale is None else scaled_copy(args.model, args.layer_scale, Path(tmp))
-        speculative = {"method": "prompt_lookup", "num_tokens": args.num_speculative_tokens}
+        draft = args.draft_model
+        if args.draft_layers is not None:
+            draft = truncated_copy(model, args.draft_layers, Path(tmp))
+        methods = METHODS + (("draft",) if draft else ())
+        if args.saturation_method == "draft" and not draft:
+            parser.error("--saturation-method draft needs --draft-model or --draft-layers")
+        speculative: dict = {"method": args.saturation_method, "num_tokens": args.num_speculative_tokens,
+                             "draft_model": draft}
+        if args.max_batch_seqs is not None:
+            speculative["max_batch_seqs"] = args.max_batch_seqs
         engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative,
                                         enable_prefix_caching=False))
         scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"
+        if draft:
+            draft_params = sum(p.numel() for p in engine.speculator.proposers["draft"].draft.runner.model.parameters())
+            target_params = sum(p.numel() for p in engine.model.parameters())
+            scale += (f", draft {args.draft_model or f'its first {args.draft_layers} layer(s)'} "
+                      f"({draft_params / 1e6:.1f}M parameters vs {target_params / 1e6:.1f}M)")
         print(f"model {args.model}{scale}, dtype {next(engine.model.parameters()).dtype}, "
               f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
               f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
         prompts = stdlib_prompts(engine, max(args.num_prompts, args.batch_size), args.prompt_tokens, args.seed)
         generate(engine, prompts[:1], SamplingParams(max_tokens=4))  # warm-up
-        ok = concurrency_one(engine, prompts[: args.num_prompts], args.max_tokens)
+        ok = concurrency_one(engine, prompts[: args.num_prompts], args.max_tokens, methods)
         if args.batch_size:
             batch = (prompts * (args.batch_size // len(prompts) + 1))[: args.batch_size]
             ok &= saturation(model, args.dtype, batch, args.max_tokens, args.repeats, speculative)

@@ -38,6 +38,19 @@ def _sampling_args(parser: argparse.ArgumentParser, served: bool = True) -> None
         parser.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
 
 
+def _speculative_args(parser: argparse.ArgumentParser) -> None:
+    """Per-request speculative decoding (gRPC SamplingParams fields; OpenAI extension fields)."""
+    from configs.engine import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+
+    g = parser.add_argument_group("speculative decoding (per request; default: the serving pool's setting)")
+    g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                   help="none: off; prompt_lookup: n-gram proposals from the prompt and output; draft: the "
+                   "pool's draft model proposes (no speculation where the pool has none)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   choices=range(MAX_SPECULATIVE_TOKENS + 1),
+                   help=f"proposed tokens per step at most, 0-{MAX_SPECULATIVE_TOKENS} (0: off)")
+
+
 def _rate_list(text: str) -> list[float]:
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
@@ -87,6 +100,7 @@ def _bench_workload_args(parser: argparse.ArgumentParser, default_out: str) -> N
     m.add_argument("--slo-tpot", type=float, default=None, help="TPOT target in seconds (goodput, attainment)")
     m.add_argument("--out", default=default_out, help=f"directory for results and plots (default {default_out})")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _speculative_args(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("prompt", help="prompt text")
     complete.add_argument("--model", default="builtin:tiny", help="model name or directory (default: builtin:tiny)")
     _sampling_args(complete, served=False)
+    _speculative_args(complete)
+    complete.add_argument("--draft-model", default=None,
+                          help="load this draft model (a directory or builtin: name with the model's tokenizer) and "
+                          "speculate with it unless --speculative-method says otherwise")
     complete.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                           help="auto: bfloat16 where the CPU has native bf16 (or on GPU), else float32")
     complete.set_defaults(func=cmd_requests.complete)
@@ -144,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--config", help="YAML of a cluster started with 'pdserve up'")
     where.add_argument("--address", help="router gRPC address HOST:PORT")
     _sampling_args(gen)
+    _speculative_args(gen)
     add_client_auth_args(gen)
     gen.set_defaults(func=cmd_requests.generate)
 
@@ -151,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("config", help="cluster YAML (e.g. configs/local.yaml)")
     demo.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="prompt text")
     _sampling_args(demo)
+    _speculative_args(demo)
     add_client_auth_args(demo)
     demo.set_defaults(func=cmd_requests.demo)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 def bench_plan(args: argparse.Namespace):
     """The BenchPlan the workload flags describe (shared by `bench` and `bench compare`)."""
+    from loadgen.client import RequestOptions
     from loadgen.metrics import SLO
     from loadgen.runner import BenchPlan
     from loadgen.workloads import LengthDist, WorkloadSpec
@@ -22,7 +23,7 @@ def bench_plan(args: argparse.Namespace):
         num_prefixes=args.num_prefixes, suffix_len=args.suffix_len)
     rates = tuple(args.rates) if args.rates else (args.rate,) if args.rate is not None else (float("inf"),)
     return BenchPlan(spec, rates, args.burstiness, args.max_concurrency, SLO(args.slo_ttft, args.slo_tpot),
-                     args.warmup)
+                     args.warmup, RequestOptions(args.speculative_method, args.num_speculative_tokens))
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -16,13 +16,19 @@ if TYPE_CHECKING:
 
 def complete(args: argparse.Namespace) -> int:
     from configs import EngineConfig
+    from configs.engine import SpeculativeConfig
     from engine import LLMEngine, SamplingParams
 
+    method = args.speculative_method
+    if method == "draft" and args.draft_model is None:
+        raise SystemExit("pdserve: --speculative-method draft needs --draft-model DIR (a model with the same tokenizer)")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=args.seed, ignore_eos=args.ignore_eos,
+        seed=args.seed, ignore_eos=args.ignore_eos, speculative_method=method,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype))
+    speculative = SpeculativeConfig(method="draft", draft_model=args.draft_model) if args.draft_model else SpeculativeConfig()
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, speculative=speculative))
     prompt_ids = engine.encode(args.prompt)
     engine.add_request("cli", prompt_ids, params)
     start = time.perf_counter()
@@ -46,7 +52,8 @@ def complete(args: argparse.Namespace) -> int:
                 print(
                     f"[{n} tokens, finish={out.finish_reason.value if out.finish_reason else None}, "
                     f"prompt {out.num_prompt_tokens} tokens, "
-                    f"TTFT {1000 * (first_token_at - start):.1f} ms, {n / elapsed:.1f} tok/s]",
+                    f"TTFT {1000 * (first_token_at - start):.1f} ms, {n / elapsed:.1f} tok/s"
+                    f"{_speculated(out.num_spec_proposed, out.num_spec_accepted)}]",
                     file=sys.stderr,
                 )
     return 0
@@ -91,6 +98,10 @@ def generate(args: argparse.Namespace, config: ClusterConfig | None = None) -> i
                                  top_p=args.top_p, ignore_eos=args.ignore_eos, stop=args.stop or [])
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.speculative_method is not None:
+        sampling.speculative_method = args.speculative_method
+    if args.num_speculative_tokens is not None:
+        sampling.num_speculative_tokens = args.num_speculative_tokens
     with auth.grpc_channel(address) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         try:
@@ -104,6 +115,13 @@ def generate(args: argparse.Namespace, config: ClusterConfig | None = None) -> i
             return 1
     u = last.usage
     print(f"\n[{u.completion_tokens} tokens, finish={pb.FinishReason.Name(last.finish_reason)}, "
-          f"prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} cached), TTFT {1000 * u.ttft_s:.1f} ms]",
-          file=sys.stderr)
+          f"prompt {u.prompt_tokens} tokens ({u.cached_prompt_tokens} cached), TTFT {1000 * u.ttft_s:.1f} ms"
+          f"{_speculated(u.spec_proposed_tokens, u.spec_accepted_tokens)}]", file=sys.stderr)
     return 0
+
+
+def _speculated(num_proposed: int, num_accepted: int) -> str:
+    """The summary line's speculative counts, where anything was proposed."""
+    if not num_proposed:
+        return ""
+    return f", speculative: {num_accepted}/{num_proposed} proposed tokens accepted"

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SPECULATIVE_METHODS = ("none", "prompt_lookup")  # engine/spec/ builds a proposer for each but "none"
+SPECULATIVE_METHODS = ("none", "prompt_lookup", "draft")  # engine/spec/ builds a proposer for each but "none"
 MAX_SPECULATIVE_TOKENS = 16  # per step per sequence, for the pool default and for a request alike
 
 
@@ -22,17 +22,28 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    method: Literal["none", "prompt_lookup"] = "none"
+    method: Literal["none", "prompt_lookup", "draft"] = "none"
     num_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="proposed tokens per step, at most")
     # prompt_lookup: match the last n tokens (n from ngram_max down to ngram_min) against the
     # prompt and output so far; propose what followed the most recent earlier match.
     ngram_min: int = Field(1, ge=1, le=64)
     ngram_max: int = Field(3, ge=1, le=64)
+    # draft: a smaller model with the target's tokenizer (same vocabulary) proposes k tokens
+    # greedily, run by this engine with its own paged KV cache (engine/spec/draft_proposer.py):
+    # a local Hugging Face directory or a built-in name. Set, requests may ask for "draft" even
+    # when `method` is another.
+    draft_model: str | None = Field(None, min_length=1)
     # A step whose scheduled tokens (decodes, prefill chunks and proposals) reach this many is
     # no longer memory-bound: proposals past it would cost compute, so none are added. 0 = no
     # limit. Meant to keep speculation at saturation nearly free: benchmarks/spec_decode.py
     # measures it (docs/benchmarks.md: 0.99x on builtin:small, 0.92-0.94x on builtin:tiny).
     max_batch_tokens: int = Field(48, ge=0)
+    # A step with more sequences than this (decodes and prompt chunks) gets no proposals and runs
+    # no proposer: at saturation the step is compute-bound and speculation only costs (the rows,
+    # and the per-sequence Python of proposing and verifying). 0 = no limit. The default is from
+    # builtin:tiny on a CPU (docs/benchmarks.md): speculating paid at 4 sequences (1.06x) and
+    # cost 7% at 8. Raise it where decode is memory-bound (larger models, GPUs).
+    max_batch_seqs: int = Field(4, ge=0, le=4096)
     # Each request's k follows its acceptance: one more after a step that accepted everything,
     # down to what was accepted (+1) after a miss, and a growing pause after a step accepting none.
     adaptive: bool = True
@@ -41,6 +52,9 @@ class SpeculativeConfig(BaseModel):
     def _check_ngrams(self) -> SpeculativeConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"speculative.ngram_min ({self.ngram_min}) is above ngram_max ({self.ngram_max})")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("speculative.method 'draft' needs speculative.draft_model: a local Hugging Face "
+                             "directory (or builtin: name) with the target's tokenizer")
         return self
 
 
@@ -78,6 +92,10 @@ class EngineSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_budgets(self) -> EngineSettings:
+        if self.speculative.draft_model is not None and self.world_size > 1:
+            # The draft runs in the driver process only; its shards would need their own group.
+            raise ValueError(f"speculative.draft_model runs on one process; tensor_parallel_size x "
+                             f"pipeline_parallel_size is {self.world_size} (use prompt_lookup there)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise the sequences at the tail of a full batch never get a decode token.
             raise ValueError(

@@ -37,7 +37,10 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 from engine.snapshot import EngineSnapshot
-from engine.spec import Speculator
+from engine.spec import BaseProposer, Speculator
+from engine.spec.draft_model import load_draft_model
+from engine.spec.draft_proposer import DraftModelProposer
+from engine.spec.speculator import build_proposers
 
 
 class LLMEngine:
@@ -72,7 +75,7 @@ class LLMEngine:
         self.page_manager = PageManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.page_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.executor, config.page_size, config.device)
-        self.speculator = Speculator(config.speculative)
+        self.speculator = Speculator(config.speculative, self._proposers(num_pages))
         self.handoff = KVHandoff(self.page_manager)  # KV crossing engines (disaggregation)
         self._seqs: dict[str, Sequence] = {}
         self._num_arrivals = 0
@@ -80,6 +83,15 @@ class LLMEngine:
         self._step_observers: list[Callable[[StepStats], None]] = []
         self.snapshot = EngineSnapshot()
         self.publish_snapshot()
+
+    def _proposers(self, num_pages: int) -> dict[str, BaseProposer]:
+        """Every speculative method this engine serves: prompt lookup always, a draft model when
+        one is configured (loaded here, beside the target, with as many KV pages)."""
+        proposers = build_proposers(self.config.speculative)
+        if self.config.speculative.draft_model is not None:
+            draft = load_draft_model(self.config, self.model_config, num_pages)
+            proposers[DraftModelProposer.method] = DraftModelProposer(draft, self.config.max_num_batched_tokens)
+        return proposers
 
     def add_step_observer(self, observer: Callable[[StepStats], None]) -> None:
         """`observer(stats)` runs after every step that computed something (live metrics)."""

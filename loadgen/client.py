@@ -5,14 +5,16 @@ Second step of a bench run (loadgen/runner.py): each BenchRequest is sent by a b
 timestamps every streamed chunk that carries output as it arrives and returns a
 RequestRecord (loadgen/metrics.py computes TTFT/TPOT/ITL/E2E from those times). Both
 backends stamp the same moment: when a chunk with new output has been read off the socket.
-Prompts go as token ids and every request sets `ignore_eos`, so output lengths are exact. A
-secured router gets the API key and TLS settings of a ClientAuth (loadgen/credentials.py).
+Prompts go as token ids and every request sets `ignore_eos`, so output lengths are exact;
+RequestOptions adds what else every request asks for (speculative decoding). A secured router
+gets the API key and TLS settings of a ClientAuth (loadgen/credentials.py).
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Self
 
 import aiohttp
@@ -25,6 +27,23 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 
 REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request settings every bench request carries: gRPC SamplingParams fields, or the same
+    names as extension fields of the OpenAI body (pdserve's; other servers may refuse them).
+    None: not sent, the server's setting applies."""
+
+    speculative_method: str | None = None  # "none", "prompt_lookup", "draft"
+    num_speculative_tokens: int | None = None
+
+    def body_fields(self) -> dict:
+        return {k: v for k, v in (("speculative_method", self.speculative_method),
+                                  ("num_speculative_tokens", self.num_speculative_tokens)) if v is not None}
+
+
+NO_OPTIONS = RequestOptions()
 
 
 class BaseBackend:
@@ -49,9 +68,11 @@ class GrpcBackend(BaseBackend):
 
     name = "grpc"
 
-    def __init__(self, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH) -> None:
+    def __init__(self, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH,
+                 options: RequestOptions = NO_OPTIONS) -> None:
         self.address = address
         self.auth = auth
+        self.options = options
         self._channel: grpc.aio.Channel | None = None
 
     async def __aenter__(self) -> Self:
@@ -64,7 +85,8 @@ class GrpcBackend(BaseBackend):
 
     async def send(self, request: BenchRequest, arrival: float) -> RequestRecord:
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=request.prompt),
-                                 sampling=pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True))
+                                 sampling=pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True,
+                                                            **self.options.body_fields()))
         times, n = [], 0
         try:
             async for resp in self._stub.Generate(req, timeout=REQUEST_TIMEOUT_S, metadata=self.auth.grpc_metadata()):
@@ -89,10 +111,12 @@ class OpenAIBackend(BaseBackend):
 
     name = "openai"
 
-    def __init__(self, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH) -> None:
+    def __init__(self, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH,
+                 options: RequestOptions = NO_OPTIONS) -> None:
         self.base_url = auth.base_url(address).rstrip("/").removesuffix("/v1")
         self.model = model
         self.auth = auth
+        self.options = options
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
@@ -121,7 +145,7 @@ class OpenAIBackend(BaseBackend):
     async def send(self, request: BenchRequest, arrival: float) -> RequestRecord:
         body = {"model": self.model, "prompt": list(request.prompt), "max_tokens": request.output_len,
                 "temperature": 0.0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **self.options.body_fields()}
         times, usage_tokens, error = [], None, ""
         try:
             async with self._session.post(f"{self.base_url}/v1/completions", json=body) as resp:
@@ -152,7 +176,8 @@ class OpenAIBackend(BaseBackend):
 BACKENDS: dict[str, type[BaseBackend]] = {"grpc": GrpcBackend, "openai": OpenAIBackend}
 
 
-def make_backend(kind: str, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH) -> BaseBackend:
+def make_backend(kind: str, address: str, model: str | None = None, auth: ClientAuth = NO_AUTH,
+                 options: RequestOptions = NO_OPTIONS) -> BaseBackend:
     if kind not in BACKENDS:
         raise ValueError(f"unknown backend {kind!r}; choose one of {tuple(BACKENDS)}")
-    return BACKENDS[kind](address, model, auth)
+    return BACKENDS[kind](address, model, auth, options)

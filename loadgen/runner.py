@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from loadgen.client import BaseBackend, make_backend
+from loadgen.client import NO_OPTIONS, BaseBackend, RequestOptions, make_backend
 from loadgen.credentials import NO_AUTH, ClientAuth
 from loadgen.metrics import SLO, RequestRecord
 from loadgen.results import BenchResult, BenchRun
@@ -46,6 +46,7 @@ class BenchPlan:
     max_concurrency: int | None = None
     slo: SLO = field(default_factory=SLO)
     warmup_requests: int = 1  # sent and discarded first: one-time costs (first-call kernels) stay out
+    options: RequestOptions = NO_OPTIONS  # what every request asks for besides its prompt and length
 
     def __post_init__(self) -> None:
         name = self.workload.name
@@ -107,7 +108,7 @@ def run_bench(backend_kind: str, address: str, plan: BenchPlan, label: str, mode
     """Runs the plan against one server, one rate after another (each rate on fresh prompts of
     the same shape; every server given the same plan gets the same prompts at the same times);
     `auth`: the API key and TLS settings of a secured server."""
-    backend = make_backend(backend_kind, address, model, auth)
+    backend = make_backend(backend_kind, address, model, auth, plan.options)
     runs = asyncio.run(_run_all(backend, plan, progress, say))
     result = BenchResult(label, backend_kind, address, asdict(plan.workload), plan.slo, plan.burstiness,
                          plan.max_concurrency, tuple(runs))

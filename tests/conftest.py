@@ -60,6 +60,16 @@ def loopy_dir(tiny_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def loopy_draft_dir(loopy_dir, tmp_path_factory) -> Path:
+    """The loopy model cut to its first layer: a draft for it (same vocabulary, right only sometimes)."""
+    from tests.helpers import write_truncated_model
+
+    dst = tmp_path_factory.mktemp("loopy-draft") / "model"
+    write_truncated_model(loopy_dir, dst, num_layers=1)
+    return dst
+
+
+@pytest.fixture(scope="session")
 def hf_loopy(loopy_dir):
     from transformers import AutoModelForCausalLM
 

@@ -105,3 +105,26 @@ def write_loopy_model(src, dst) -> None:
     tensors = {name: t * LOOPY_LAYER_SCALE if "layers." in name and "norm" not in name else t
                for name, t in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def write_truncated_model(src, dst, num_layers: int, vocab_size: int | None = None) -> None:
+    """A copy of the checkpoint at `src` keeping only its first `num_layers` decoder layers (a
+    cheaper model that agrees with `src` often: a draft for it), and optionally only the first
+    `vocab_size` rows of its embedding (a draft with the wrong vocabulary)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    [weights] = list(dst.glob("*.safetensors"))
+    tensors = {name: t for name, t in load_file(weights).items()
+               if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+    config = json.loads((dst / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if vocab_size is not None:
+        tensors = {name: t[:vocab_size] if "embed_tokens" in name or "lm_head" in name else t
+                   for name, t in tensors.items()}
+        config["vocab_size"] = vocab_size
+    save_file(tensors, weights, metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2))

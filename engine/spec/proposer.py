@@ -3,8 +3,8 @@
 A proposer guesses the next tokens of decoding sequences; the target model computes those
 positions in the sequence's next step and keeps only what its own sampling would have produced
 (engine/spec/rejection.py), so a proposer changes speed, never output. Prompt lookup
-(engine/spec/prompt_lookup.py) needs no model; a draft model or Medusa heads plug in behind the
-same three calls.
+(engine/spec/prompt_lookup.py) needs no model; a draft model (engine/spec/draft_proposer.py)
+keeps its own KV through the same three calls, and Medusa heads would plug in behind them too.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ class BaseProposer(ABC):
          (empty: nothing to propose) and is never longer.
       2. `on_verified(seq, num_accepted)` after the step, for every sequence whose proposal was
          verified: its first `num_accepted` proposed tokens are now its own (a draft model keeps
-         the KV of those and drops the rest).
+         the KV of those and drops the rest). A proposal the step could not take (no free pages
+         for it) gets `on_verified(seq, 0)` at once, during `plan`.
       3. `release(seq)` when a sequence leaves the engine or is preempted (its state goes).
-    Proposers hold no pages of the target's KV cache."""
+    Proposers hold no pages of the target's KV cache (a draft model has its own)."""
 
     method: str  # the name in configs (SpeculativeConfig.method) and in metric labels
 

@@ -8,9 +8,10 @@
     scheduler.commit_drafts(seq, num_accepted)     # KV of rejected positions dropped, pages freed
 
 `plan` proposes only for sequences whose next token is an ordinary decode (never a prompt chunk,
-a recomputation after preemption, or a prefill worker's held request), within what is left of
-the step's token budget and under `max_batch_tokens` (past which the step is compute-bound and
-verification would cost more than it saves), only where free pages allow (speculation never
+a recomputation after preemption, or a prefill worker's held request), only in steps of at most
+`max_batch_seqs` sequences and then within what is left of the step's token budget and under
+`max_batch_tokens` (a bigger step is compute-bound: verification would cost more than it saves;
+engine/spec/batch_policy.py), only where free pages allow (speculation never
 preempts), and never more tokens than the request may still emit. A request's method and k come
 from its SamplingParams, else the engine's SpeculativeConfig, and k adapts to its acceptance
 (engine/spec/adaptive.py).
@@ -26,6 +27,7 @@ import torch
 from configs.engine import SpeculativeConfig
 from engine.sampler import sample
 from engine.spec.adaptive import SpecState
+from engine.spec.batch_policy import proposal_budget
 from engine.spec.prompt_lookup import PromptLookupProposer
 from engine.spec.proposer import BaseProposer
 from engine.spec.rejection import rejection_sample, target_probs, verify_greedy
@@ -93,9 +95,9 @@ class Speculator:
         self.step_stats = SpecStepStats()  # this step's, filled by `sample`
         if out.preempted:  # pages are short: no speculative work this step
             return
-        budget = scheduler.max_num_batched_tokens - out.num_tokens
-        if self.config.max_batch_tokens:
-            budget = min(budget, self.config.max_batch_tokens - out.num_tokens)
+        budget = proposal_budget(self.config, len(out.scheduled), out.num_tokens, scheduler.max_num_batched_tokens)
+        if budget <= 0:  # a big step: no proposer runs (engine/spec/batch_policy.py)
+            return
         wanted: dict[str, list[tuple[int, int]]] = {}  # method -> [(index in out.scheduled, k)]
         for index, s in enumerate(out.scheduled):
             if budget <= 0:
@@ -114,8 +116,12 @@ class Speculator:
             proposals = proposer.propose([out.scheduled[i].seq for i, _ in items], [k for _, k in items])
             for (index, _), proposal in zip(items, proposals):
                 s = out.scheduled[index]
-                if len(proposal) and scheduler.allocate_drafts(s.seq, len(proposal)):
+                if not len(proposal):
+                    continue
+                if scheduler.allocate_drafts(s.seq, len(proposal)):
                     out.scheduled[index] = s.with_draft(proposal, method)
+                else:  # no pages for it: as if all rejected (a draft model drops its guesses' KV)
+                    proposer.on_verified(s.seq, 0)
 
     # -- after the step -----------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Sampled]:

@@ -3,6 +3,7 @@ stop conditions, seeded sampling, abort, and the `pdserve complete` command."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -196,6 +197,22 @@ def test_cli_complete_streams_text():
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "complete", "x", "--top-p", "2"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "top_p must be in (0, 1]" in bad.stderr
+
+
+def test_cli_complete_speculates_with_a_draft_model(tiny_dir):
+    """The model as its own draft: every proposal is accepted, and the summary says so."""
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "complete", "def add(a, b):", "--max-tokens", "12",
+                           "--ignore-eos", "--draft-model", str(tiny_dir), "--num-speculative-tokens", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    accepted = re.search(r"speculative: (\d+)/(\d+) proposed tokens accepted", proc.stderr)
+    assert accepted and accepted[1] == accepted[2] != "0", proc.stderr
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "complete", "x", "--speculative-method", "draft"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--speculative-method draft needs --draft-model" in bad.stderr
+    helps = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--help"], capture_output=True, text=True,
+                           timeout=300)
+    assert "--speculative-method" in helps.stdout and "--num-speculative-tokens" in helps.stdout
 
 
 def test_cli_model_build_refuses_a_file_as_output(tmp_path):

@@ -21,7 +21,8 @@ from engine.spec.proposer import BaseProposer, Proposal
 from tests.helpers import assert_no_page_leak, hf_greedy
 
 LOGPROB_ATOL = 2e-3
-LOOKUP = {"method": "prompt_lookup", "num_tokens": 4}
+# max_batch_seqs off: these tests batch more sequences than its default lets speculate.
+LOOKUP = {"method": "prompt_lookup", "num_tokens": 4, "max_batch_seqs": 0}
 
 
 def prompts_of(n: int, length: int = 30, seed: int = 0) -> dict[str, list[int]]:
@@ -170,7 +171,8 @@ class OracleProposer(BaseProposer):
 
 
 def oracle_engine(model_dir, reference, **config) -> LLMEngine:
-    engine = make_engine(model_dir, {"method": "prompt_lookup", "num_tokens": 5, "adaptive": False}, **config)
+    fixed_k = {"method": "prompt_lookup", "num_tokens": 5, "adaptive": False, "max_batch_seqs": 0}
+    engine = make_engine(model_dir, fixed_k, **config)
     engine.speculator.proposers["prompt_lookup"] = OracleProposer(reference, engine.model_config.vocab_size)
     return engine
 
@@ -259,6 +261,29 @@ def test_speculation_stops_past_the_batch_token_threshold(loopy_dir):
     # 16 decodes alone pass 12: while all run, nothing is proposed; as they finish, some is.
     full_decode_steps = [s for s in stats if s.work.num_decode_tokens >= 16 and not s.work.num_prefill_tokens]
     assert full_decode_steps and not any(s.spec.by_method for s in full_decode_steps)
+    assert_no_page_leak(engine)
+
+
+def test_no_proposals_in_steps_with_more_than_max_batch_seqs(loopy_dir):
+    """The batch grows past max_batch_seqs (6) and shrinks back under it: every step above it
+    goes without proposals, steps at or under it speculate, and greedy output stays plain's."""
+    prompts = prompts_of(8, 24, seed=43)
+    first, later = dict(list(prompts.items())[:2]), dict(list(prompts.items())[2:])
+    arrivals = {0: first, 20: later}  # 2 sequences, then 8, then 6 when the first two finish
+    engine = make_engine(loopy_dir, {**LOOKUP, "max_batch_seqs": 6, "max_batch_tokens": 0}, max_num_seqs=16)
+    steps: list[tuple[int, int]] = []  # (sequences in the step, of which speculating)
+    plan = engine.speculator.plan
+
+    def recording_plan(out, scheduler):
+        plan(out, scheduler)
+        steps.append((len(out.scheduled), sum(s.draft is not None for s in out.scheduled)))
+
+    engine.speculator.plan = recording_plan  # type: ignore[method-assign]
+    spec = run(engine, {k: dict(v) for k, v in arrivals.items()}, GREEDY)
+    assert not [s for s in steps if s[0] > 6 and s[1]], "a step above max_batch_seqs speculated"
+    assert any(n > 6 for n, _ in steps)
+    assert any(d for n, d in steps if n <= 2) and any(d for n, d in steps if 2 < n <= 6)
+    check_same(run(make_engine(loopy_dir), arrivals, GREEDY), spec)
     assert_no_page_leak(engine)
 
 

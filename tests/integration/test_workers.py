@@ -154,6 +154,26 @@ def test_disaggregated_decode_with_prompt_lookup_matches_hf(loopy_dir, hf_loopy)
     router.assert_clean()
 
 
+def test_disaggregated_decode_with_a_draft_model_matches_hf(loopy_dir, hf_loopy, loopy_draft_dir):
+    """1P1D with a draft model on the decode worker only: the decode worker computes the draft's
+    prompt KV itself; the stream is HF greedy's and the draft's pages are all free at the end."""
+    sampling = m.Sampling(max_tokens=40, ignore_eos=True)
+    router = MiniRouter(model=str(loopy_dir), sampling=sampling,
+                        decode_speculative={"method": "draft", "draft_model": str(loopy_draft_dir)})
+    prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
+    for rid, prompt in prompts.items():
+        router.submit(rid, prompt)
+        router.pump()
+    router.run(lambda: len(router.finished) == len(prompts))
+    for rid, prompt in prompts.items():
+        assert router.outputs[rid] == hf_greedy(hf_loopy, prompt, sampling.max_tokens)[0], rid
+    assert sum(a for _, a in router.spec.values()) > 0
+    assert sum(p - a for p, a in router.spec.values()) > 0
+    draft = router.decode.engine.speculator.proposers["draft"]
+    assert not draft.twins and draft.page_manager.num_referenced_pages == 0  # type: ignore[attr-defined]
+    router.assert_clean()
+
+
 def test_colocated_worker_matches_hf(hf_tiny):
     out: list[m.Tokens] = []
     worker = ColocatedWorker("c0", LLMEngine(EngineConfig(model="builtin:tiny")), out.append)

@@ -137,3 +137,24 @@ def test_cli_builds_the_plan_and_names_bad_combinations(capsys):
     assert "at least two finite rates" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--rates", "1,-2"])
+
+
+def test_bench_requests_carry_the_speculative_flags():
+    from cluster.cli import build_parser
+    from cluster.cmd_bench import bench_plan
+    from loadgen.client import RequestOptions
+    from proto import pdserve_pb2 as pb
+
+    args = build_parser().parse_args(["bench", "--address", "x:1", "--speculative-method", "draft",
+                                      "--num-speculative-tokens", "3"])
+    options = bench_plan(args).options
+    assert options == RequestOptions("draft", 3)
+    assert options.body_fields() == {"speculative_method": "draft", "num_speculative_tokens": 3}
+    sampling = pb.SamplingParams(max_tokens=4, **options.body_fields())
+    assert (sampling.speculative_method, sampling.num_speculative_tokens) == ("draft", 3)
+    unset = bench_plan(build_parser().parse_args(["bench", "--address", "x:1"])).options
+    assert unset.body_fields() == {}  # the pool's setting applies
+    assert not pb.SamplingParams(max_tokens=4, **unset.body_fields()).HasField("speculative_method")
+    for bad in (["--speculative-method", "medusa"], ["--num-speculative-tokens", "17"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "--address", "x:1", *bad])

@@ -86,6 +86,10 @@ def sharded(role: str, **pool) -> dict:
          r"router\.max_prefill_queue_tokens: Input should be greater than or equal to 1"),
         (edit("router.max_prefill_queue_tokens", "many"), r"router\.max_prefill_queue_tokens: Input should be a valid integer"),
         (edit("prefill.engine.dtype", "float64"), r"prefill\.engine\.dtype: Input should be 'auto'"),
+        (edit("decode.engine.speculative", {"method": "draft"}),
+         r"decode\.engine\.speculative: speculative\.method 'draft' needs speculative\.draft_model"),
+        (edit("decode.engine.speculative", {"max_batch_seqs": -1}),
+         r"decode\.engine\.speculative\.max_batch_seqs: Input should be greater than or equal to 0"),
     ],
 )
 def test_mistakes_are_rejected_naming_the_key(tmp_path, cfg, message):
@@ -94,6 +98,14 @@ def test_mistakes_are_rejected_naming_the_key(tmp_path, cfg, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_cluster_config(path)
     assert str(path) in str(info.value)
+
+
+def test_a_decode_pool_may_speculate_with_a_draft_model(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(edit("decode.engine.speculative", {"method": "draft", "draft_model": "/models/d"})))
+    cfg = load_cluster_config(path)
+    speculative = cfg.engine_config(cfg.decode).speculative
+    assert (speculative.method, speculative.draft_model, speculative.max_batch_seqs) == ("draft", "/models/d", 4)
 
 
 def test_unreadable_files_are_clear(tmp_path):

@@ -1,0 +1,55 @@
+"""A draft model for speculative decoding: its weights, its own paged KV cache and page manager,
+and a model runner, loaded beside the target by the engine (engine/engine.py) when
+`speculative.draft_model` is set; engine/spec/draft_proposer.py drives it.
+
+The draft is any Hugging Face checkpoint the loader serves whose vocabulary is the target's
+(token ids must mean the same tokens on both sides). It runs in the engine's process, on the
+engine's device and dtype, with the same attention backends: a draft step is an ordinary
+ForwardBatch over the draft's own pages. It gets as many pages as the target (of its own
+geometry): a sequence never holds more draft positions than target ones, so the draft runs out
+of pages only where prefix sharing lets the target hold fewer pages than its sequences use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from configs.engine import EngineConfig
+from engine.kv_cache import KVCache
+from engine.model.compute_dtype import resolve_dtype
+from engine.model.config import ModelConfig
+from engine.model.loader import load_model, resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.page_manager import PageManager
+from engine.parallel.model_shard import attention_backend
+from engine.parallel.shard_executor import LocalExecutor
+
+
+@dataclass
+class DraftModel:
+    config: ModelConfig
+    runner: ModelRunner
+    kv_cache: KVCache
+    page_manager: PageManager  # the draft's pages only; no prefix cache (drafts recompute)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def load_draft_model(config: EngineConfig, target: ModelConfig, num_pages: int) -> DraftModel:
+    """Loads `config.speculative.draft_model` for a target of config `target` whose KV cache has
+    `num_pages` pages. Raises ValueError when the draft cannot serve this target."""
+    name = config.speculative.draft_model
+    if name is None:
+        raise ValueError("no speculative.draft_model configured")
+    path = resolve_model_path(name, config.cache_dir)
+    cfg = ModelConfig.from_dir(path)
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative.draft_model {name!r} has vocab_size {cfg.vocab_size}, the target "
+                         f"{target.vocab_size}: a draft must use the target's tokenizer")
+    dtype = resolve_dtype(config.dtype, config.device)
+    model = load_model(path, dtype, config.device, attention_backend(config, cfg.head_dim))
+    kv_cache = KVCache(cfg, num_pages, config.page_size, dtype, config.device)
+    runner = ModelRunner(model, LocalExecutor(model, kv_cache), config.page_size, config.device)
+    return DraftModel(cfg, runner, kv_cache, PageManager(num_pages, config.page_size, enable_prefix_caching=False))

@@ -1,0 +1,157 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary guesses k tokens greedily.
+
+The speculator (engine/spec/speculator.py) calls `propose` for the step's speculating decodes.
+Each target sequence has a twin here: a Sequence over the draft's own pages (engine/spec/
+draft_model.py) holding the same tokens, whose KV the draft computes. One `propose` call:
+  1. sync: the twin keeps the KV of its tokens that are still the sequence's (its last proposals
+     may have been rejected, or never verified); the rest is rolled back and the sequence's new
+     tokens (the accepted run and the target's own token; the whole prompt on first use, as on a
+     decode worker, where the draft's prompt KV is recomputed rather than shipped) are queued;
+  2. one draft step over all twins computes those tokens (a prompt chunk or a decode each; the
+     catch-up per call is capped at the engine's token budget, so a long prompt is chunked over
+     steps and proposes nothing until done) and takes the argmax after each sequence's last token;
+  3. k - 1 more draft decode steps, each feeding the previous guess, for the twins that want more.
+The twin then holds KV for the sequence's tokens and the first k - 1 guesses. `on_verified`
+rolls it back to the accepted ones and frees the pages past them; `release` frees all of the
+twin's pages when the sequence finishes, aborts or is preempted.
+
+A greedy request's guesses are the draft's argmax (point masses: the output stays exactly the
+target's greedy tokens). A sampled request's guesses are drawn from the draft's distribution
+under the request's own temperature, top-k and top-p, which go with the proposal as
+`draft_probs` for the general rejection rule (engine/spec/rejection.py): the output is
+distributed as the target's. A seeded request's draft draws come from a generator of its own,
+seeded from the request's seed but not equal to it: the draft's draws must be independent of the
+verification's, which use the request's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+from engine.spec.draft_model import DraftModel
+from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
+from engine.spec.rejection import target_probs
+
+# Mixes a request's seed into its draft generator's (an LCG step): same seed, same draft draws,
+# but never the verification's own stream.
+_SEED_MULTIPLIER, _SEED_INCREMENT = 6364136223846793005, 1442695040888963407
+
+
+@dataclass
+class DraftTwin:
+    seq: Sequence  # the draft's: tokens, pages, num_computed_tokens (KV in the draft's cache)
+    num_synced_tokens: int = 0  # leading tokens known to equal the target sequence's
+
+
+class DraftModelProposer(BaseProposer):
+    method = "draft"
+
+    def __init__(self, draft: DraftModel, max_catch_up_tokens: int) -> None:
+        self.draft = draft
+        self.page_manager = draft.page_manager
+        self.page_size = draft.page_manager.page_size
+        self.max_catch_up_tokens = max_catch_up_tokens
+        self.twins: dict[str, DraftTwin] = {}  # by request id
+
+    # -- the proposer interface -----------------------------------------------------------------
+    def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
+        guesses: dict[int, list[int]] = {}  # index in seqs -> tokens proposed so far
+        draws: dict[int, list[torch.Tensor]] = {}  # index in seqs -> [vocab] distributions (sampled requests)
+        wants: dict[int, int] = {}  # index in seqs -> k
+        step: list[ScheduledSeq] = []
+        index_of: dict[int, int] = {}  # id(twin sequence) -> index in seqs
+        budget = self.max_catch_up_tokens
+        for i, (seq, k) in enumerate(zip(seqs, max_num_tokens)):
+            # Guess j is fed at position num_tokens + j - 1: stay inside the draft's context.
+            k = min(k, self.draft.max_model_len - seq.num_tokens)
+            if k <= 0 or budget <= 0:
+                continue
+            twin = self._sync(seq)
+            num_new = seq.num_tokens - twin.seq.num_computed_tokens  # >= 1 (sync keeps the last token)
+            chunk = min(num_new, budget)
+            # Pages through the catch-up and, when it completes, the k - 1 guesses fed back.
+            end = twin.seq.num_computed_tokens + chunk + (k - 1 if chunk == num_new else 0)
+            if not self._allocate_through(twin.seq, end):
+                continue  # the draft's pages are short: no proposal for this one now
+            budget -= chunk
+            step.append(ScheduledSeq(twin.seq, chunk))
+            index_of[id(twin.seq)] = i
+            if chunk == num_new:
+                wants[i], guesses[i] = k, []
+        # Catch-up step, then one decode step per further guess, over the twins still guessing.
+        while step:
+            logits, sampled = self.draft.runner.execute(step)
+            for s in step:
+                s.seq.num_computed_tokens += s.num_new_tokens
+            next_step = []
+            for row, (s, token) in enumerate(zip(sampled, logits.argmax(dim=-1).tolist())):
+                i = index_of[id(s.seq)]
+                if not s.seq.params.greedy:
+                    q = target_probs(logits[row : row + 1], s.seq.params)[0]  # [vocab]
+                    token = int(torch.multinomial(q, 1, generator=s.seq.generator)[0])
+                    draws.setdefault(i, []).append(q)
+                guesses[i].append(token)
+                if len(guesses[i]) < wants[i]:
+                    s.seq.token_ids.append(token)  # fed next step: its KV is the next position's
+                    next_step.append(ScheduledSeq(s.seq, 1))
+            step = next_step
+        proposals = [NO_PROPOSAL] * len(seqs)
+        for i, tokens in guesses.items():
+            proposals[i] = Proposal(tuple(tokens), torch.stack(draws[i]) if i in draws else None)
+        return proposals
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:
+        """The first `num_accepted` guesses are the sequence's now: keep their KV, drop the rest."""
+        twin = self.twins.get(seq.request_id)
+        if twin is None:
+            return
+        keep = min(twin.seq.num_computed_tokens, twin.num_synced_tokens + num_accepted)
+        self._roll_back(twin.seq, keep)
+        twin.num_synced_tokens = keep
+
+    def release(self, seq: Sequence) -> None:
+        twin = self.twins.pop(seq.request_id, None)
+        if twin is not None:
+            self._roll_back(twin.seq, 0)
+
+    # -- the twin's KV ----------------------------------------------------------------------------
+    def _sync(self, seq: Sequence) -> DraftTwin:
+        """The sequence's twin, its KV rolled back to the tokens still the sequence's (never the
+        last one, whose logits the guesses start from) and its tokens the sequence's."""
+        twin = self.twins.get(seq.request_id)
+        if twin is None:
+            twin = DraftTwin(Sequence(seq.request_id, [], seq.params, 0, seq.max_total_tokens))
+            if seq.params.seed is not None:
+                seed = (seq.params.seed * _SEED_MULTIPLIER + _SEED_INCREMENT) % 2**64
+                twin.seq.generator = torch.Generator().manual_seed(seed)
+            self.twins[seq.request_id] = twin
+        draft, target = twin.seq.token_ids, seq.token_ids
+        limit = min(twin.seq.num_computed_tokens, seq.num_tokens - 1)
+        agree = min(twin.num_synced_tokens, limit)
+        while agree < limit and draft[agree] == target[agree]:
+            agree += 1
+        self._roll_back(twin.seq, agree)
+        draft[agree:] = target[agree:]
+        twin.num_synced_tokens = seq.num_tokens
+        return twin
+
+    def _allocate_through(self, seq: Sequence, num_tokens: int) -> bool:
+        need = max(0, -(-num_tokens // self.page_size) - len(seq.page_table))
+        if not self.page_manager.can_allocate(need):
+            return False
+        seq.page_table += self.page_manager.allocate(need)
+        return True
+
+    def _roll_back(self, seq: Sequence, num_tokens: int) -> None:
+        """KV through `num_tokens` stays; the pages past it go back to the draft's free list."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        del seq.token_ids[num_tokens:]
+        keep = -(-num_tokens // self.page_size)
+        if len(seq.page_table) > keep:
+            self.page_manager.release(reversed(seq.page_table[keep:]))
+            del seq.page_table[keep:]

@@ -1,0 +1,100 @@
+"""engine/spec/draft_proposer.py's page accounting with no model: a stand-in runner whose "draft"
+always guesses the last token + 1, so every twin's KV length and page count is known exactly
+after each propose, verification, rejection, dropped proposal and release."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from engine.page_manager import PageManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from engine.spec.draft_proposer import DraftModelProposer
+
+VOCAB, PAGE_SIZE = 64, 4
+
+
+class CountingRunner:
+    """Logits whose argmax is each sampling sequence's last token + 1; records the step sizes."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[int]] = []  # tokens computed per scheduled twin, per call
+
+    def execute(self, scheduled):
+        self.steps.append([s.num_new_tokens for s in scheduled])
+        sampled = [s for s in scheduled if s.samples]
+        logits = torch.zeros(len(sampled), VOCAB)
+        for row, s in enumerate(sampled):
+            logits[row, (s.seq.token_ids[-1] + 1) % VOCAB] = 1.0
+        return logits, sampled
+
+
+def proposer(num_pages: int = 32, max_catch_up_tokens: int = 64) -> DraftModelProposer:
+    draft = SimpleNamespace(runner=CountingRunner(), page_manager=PageManager(num_pages, PAGE_SIZE, False),
+                            max_model_len=128)
+    return DraftModelProposer(draft, max_catch_up_tokens)  # type: ignore[arg-type]
+
+
+def decoding(request_id: str = "a", prompt_len: int = 10) -> Sequence:
+    seq = Sequence(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=64), 0, 128)
+    seq.token_ids.append(30)  # the first generated token
+    return seq
+
+
+def twin_state(p: DraftModelProposer, seq: Sequence) -> tuple[int, int]:
+    twin = p.twins[seq.request_id].seq
+    return twin.num_computed_tokens, len(twin.page_table)
+
+
+def test_guesses_then_rollback_to_the_accepted_run():
+    p, seq = proposer(), decoding()
+    [proposal] = p.propose([seq], [3])
+    assert proposal.token_ids == (31, 32, 33)
+    assert p.draft.runner.steps == [[11], [1], [1]]  # catch-up of prompt + token, then 2 fed guesses
+    assert twin_state(p, seq) == (13, 4)  # 11 tokens + guesses 31, 32 computed; 13 tokens = 4 pages
+    p.on_verified(seq, 1)  # 31 accepted, 32 rejected
+    assert twin_state(p, seq) == (12, 3)
+    seq.token_ids += [31, 50]  # what the engine appends: the accepted guess and the target's token
+    [proposal] = p.propose([seq], [2])
+    assert proposal.token_ids == (51, 52)
+    assert p.draft.runner.steps[-2:] == [[1], [1]]  # only the target's token was new
+    p.on_verified(seq, 2)
+    assert twin_state(p, seq) == (14, 4)  # 13 tokens + 51 (52 was never fed)
+    p.release(seq)
+    assert not p.twins and p.page_manager.num_free_pages == 32
+
+
+def test_a_dropped_proposal_is_rolled_back_by_the_next_sync():
+    p, seq = proposer(), decoding()
+    p.propose([seq], [4])
+    assert twin_state(p, seq) == (14, 4)
+    seq.token_ids.append(7)  # the step ran without the proposal (no target pages): a plain token
+    [proposal] = p.propose([seq], [1])
+    assert proposal.token_ids == (8,)
+    assert twin_state(p, seq) == (12, 3)  # back to the 11 shared tokens, then 7 computed
+    p.on_verified(seq, 0)
+    p.release(seq)
+    assert p.page_manager.num_free_pages == 32
+
+
+def test_a_long_catch_up_is_chunked_and_proposes_nothing_until_done():
+    p, seq = proposer(max_catch_up_tokens=8), decoding(prompt_len=20)
+    assert p.propose([seq], [2])[0].token_ids == ()
+    assert p.propose([seq], [2])[0].token_ids == ()
+    assert twin_state(p, seq) == (16, 4)
+    assert p.propose([seq], [2])[0].token_ids == (31, 32)
+    assert p.draft.runner.steps == [[8], [8], [5], [1]]
+    p.release(seq)
+    assert p.page_manager.num_free_pages == 32
+
+
+def test_no_proposal_where_the_drafts_pages_are_short():
+    p = proposer(num_pages=4)
+    first, second = decoding("a"), decoding("b")
+    a, b = p.propose([first, second], [3, 3])
+    assert a.token_ids == (31, 32, 33) and b.token_ids == ()  # 4 pages: one twin's 13 tokens
+    for seq in (first, second):
+        p.release(seq)
+    assert p.page_manager.num_free_pages == 4
