@@ -53,6 +53,39 @@ struct AmxScratch {
   std::vector<float> out;       // [16][D]: one row block of O before normalising
 };
 
+// out [16][D] fp32 = P V for one block of 16 rows over `steps` x 32 keys: C tiles 0..3 (16
+// head dims each) += A (tile 4: 16 rows of P, bf16, rows `probs_stride` bytes apart, 32 keys) x
+// B (tiles 5..7: 16 token pairs x 16 head dims of `vi`, V interleaved by token pairs as
+// rearrange_keys writes it). Shared with shared_prefix_amx.h.
+template <int D>
+inline void amx_probs_times_values(const uint16_t* probs, int64_t probs_stride, const uint16_t* vi, int64_t steps,
+                                   float* out) {
+  constexpr int kOutTiles = D / 16 < 4 ? D / 16 : 4;  // O tiles held at once (16 head dims each)
+  for (int c0 = 0; c0 < D / 16; c0 += kOutTiles) {
+    _tile_zero(0);
+    if constexpr (kOutTiles > 1) _tile_zero(1);
+    if constexpr (kOutTiles > 2) { _tile_zero(2); _tile_zero(3); }
+    for (int64_t j = 0; j < steps; ++j) {
+      _tile_loadd(4, probs + 32 * j, probs_stride);
+      const uint16_t* vb = vi + j * 32 * D + 32 * c0;  // 16 pairs of rows 2D apart
+      constexpr int kStride = 2 * D * sizeof(uint16_t);
+      _tile_loadd(5, vb, kStride);
+      _tile_dpbf16ps(0, 4, 5);
+      if constexpr (kOutTiles > 1) { _tile_loadd(6, vb + 32, kStride); _tile_dpbf16ps(1, 4, 6); }
+      if constexpr (kOutTiles > 2) {
+        _tile_loadd(7, vb + 64, kStride); _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, vb + 96, kStride); _tile_dpbf16ps(3, 4, 5);
+      }
+    }
+    _tile_stored(0, out + 16 * c0, D * sizeof(float));
+    if constexpr (kOutTiles > 1) _tile_stored(1, out + 16 * (c0 + 1), D * sizeof(float));
+    if constexpr (kOutTiles > 2) {
+      _tile_stored(2, out + 16 * (c0 + 2), D * sizeof(float));
+      _tile_stored(3, out + 16 * (c0 + 3), D * sizeof(float));
+    }
+  }
+}
+
 // One work item, with the arguments of attend_tile_bf16 but the keys already rearranged.
 template <int D>
 void attend_tile_amx(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_head_stride, int64_t q_first,
@@ -61,7 +94,6 @@ void attend_tile_amx(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_hea
   static_assert(D % 32 == 0, "AMX tiles take head dims in chunks of 32");
   constexpr int NP = D / 2;                  // bf16 pairs per key
   constexpr int kChunks = D / 32;            // A tiles of Q per row (32 head dims each)
-  constexpr int kOutTiles = D / 16 < 4 ? D / 16 : 4;  // O tiles held at once (16 head dims each)
   const int64_t rows = n_q * group;
   const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
   const int64_t kv_end = limit0 + n_q - 1;
@@ -102,34 +134,10 @@ void attend_tile_amx(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_hea
   // The exact softmax of each row over its visible keys, scaled (zeros up to row_len).
   for (int64_t r = 0; r < rows; ++r)
     s.inv_sum[r] = softmax_row(s.scores.data() + r * row_len, limit(r), row_len, scale, s.probs.data() + r * row_len);
-  // O = P V: C tiles 0..kOutTiles-1 (16 head dims each) += A (tile 4: 16 rows x 32 keys) x
-  // B (tiles 5..: 16 token pairs x 16 head dims), over 32 keys at a time.
+  // O = P V, a block of 16 rows at a time.
   for (int64_t r0 = 0; r0 < padded; r0 += kAmxRows) {
-    const int64_t nk = blocks_seen(r0) / 2;  // 32-key steps
-    const uint16_t* pa = s.probs.data() + r0 * row_len;
-    for (int c0 = 0; c0 < D / 16; c0 += kOutTiles) {
-      _tile_zero(0);
-      if constexpr (kOutTiles > 1) _tile_zero(1);
-      if constexpr (kOutTiles > 2) { _tile_zero(2); _tile_zero(3); }
-      for (int64_t j = 0; j < nk; ++j) {
-        _tile_loadd(4, pa + 32 * j, row_len * sizeof(uint16_t));
-        const uint16_t* vb = keys.vi.data() + j * 32 * D + 32 * c0;  // 16 pairs of rows 2D apart
-        constexpr int kStride = 2 * D * sizeof(uint16_t);
-        _tile_loadd(5, vb, kStride);
-        _tile_dpbf16ps(0, 4, 5);
-        if constexpr (kOutTiles > 1) { _tile_loadd(6, vb + 32, kStride); _tile_dpbf16ps(1, 4, 6); }
-        if constexpr (kOutTiles > 2) {
-          _tile_loadd(7, vb + 64, kStride); _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, vb + 96, kStride); _tile_dpbf16ps(3, 4, 5);
-        }
-      }
-      _tile_stored(0, s.out.data() + 16 * c0, D * sizeof(float));
-      if constexpr (kOutTiles > 1) _tile_stored(1, s.out.data() + 16 * (c0 + 1), D * sizeof(float));
-      if constexpr (kOutTiles > 2) {
-        _tile_stored(2, s.out.data() + 16 * (c0 + 2), D * sizeof(float));
-        _tile_stored(3, s.out.data() + 16 * (c0 + 3), D * sizeof(float));
-      }
-    }
+    amx_probs_times_values<D>(s.probs.data() + r0 * row_len, row_len * sizeof(uint16_t), keys.vi.data(),
+                              blocks_seen(r0) / 2, s.out.data());
     for (int64_t i = 0; i < kAmxRows && r0 + i < rows; ++i) {
       const int64_t r = r0 + i;
       c10::BFloat16* dst = out + ((q_first + r / group) * heads + kv_head * group + r % group) * D;

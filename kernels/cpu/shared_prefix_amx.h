@@ -20,7 +20,7 @@
 // Needs pages of a multiple of 16 tokens and a prefix of a multiple of 32 keys (the P V step).
 #pragma once
 
-#include "amx.h"
+#include "prefill_tile_amx.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -41,7 +41,7 @@ struct PartialAttention {
 
 constexpr int64_t kSharedKeyStep = 32;  // keys per P V product: a prefix is a multiple of it
 
-#if PDSERVE_AMX && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if PDSERVE_TILE_AMX
 #define PDSERVE_SHARED_PREFIX_AMX 1
 
 // Per-thread buffers, grown to the largest item and reused.
@@ -66,7 +66,6 @@ void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int6
   static_assert(D % 32 == 0, "AMX tiles take head dims in chunks of 32");
   constexpr int NP = D / 2;
   constexpr int kChunks = D / 32;
-  constexpr int kOutTiles = D / 16 < 4 ? D / 16 : 4;
   const int64_t rows = members * group;
   const int64_t tok_stride = kv_heads * D;
   const int64_t half = shared / 2;
@@ -151,31 +150,9 @@ void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int6
     }
     for (int64_t j = 0; j < half; ++j)
       for (int64_t i = 0; i < kSharedRows; ++i) s.probs[i * half + j] = s.pairs[j * kSharedRows + i];
-    // 3. O = P V: C tiles 0..kOutTiles-1 (16 head dims each) += A (tile 4: 16 rows x 32 keys) x
-    // B (tiles 5..7: 16 token pairs x 16 head dims).
-    for (int c0 = 0; c0 < D / 16; c0 += kOutTiles) {
-      _tile_zero(0);
-      if constexpr (kOutTiles > 1) _tile_zero(1);
-      if constexpr (kOutTiles > 2) { _tile_zero(2); _tile_zero(3); }
-      for (int64_t j = 0; j < shared / kSharedKeyStep; ++j) {
-        _tile_loadd(4, s.probs.data() + 16 * j, half * sizeof(uint32_t));
-        const uint16_t* vb = s.vi.data() + j * kSharedKeyStep * D + 32 * c0;
-        constexpr int kStride = 2 * D * sizeof(uint16_t);
-        _tile_loadd(5, vb, kStride);
-        _tile_dpbf16ps(0, 4, 5);
-        if constexpr (kOutTiles > 1) { _tile_loadd(6, vb + 32, kStride); _tile_dpbf16ps(1, 4, 6); }
-        if constexpr (kOutTiles > 2) {
-          _tile_loadd(7, vb + 64, kStride); _tile_dpbf16ps(2, 4, 7);
-          _tile_loadd(5, vb + 96, kStride); _tile_dpbf16ps(3, 4, 5);
-        }
-      }
-      _tile_stored(0, s.out.data() + 16 * c0, D * sizeof(float));
-      if constexpr (kOutTiles > 1) _tile_stored(1, s.out.data() + 16 * (c0 + 1), D * sizeof(float));
-      if constexpr (kOutTiles > 2) {
-        _tile_stored(2, s.out.data() + 16 * (c0 + 2), D * sizeof(float));
-        _tile_stored(3, s.out.data() + 16 * (c0 + 3), D * sizeof(float));
-      }
-    }
+    // 3. O = P V (prefill_tile_amx.h's product; P's key pairs are its bf16 pairs).
+    pdserve::amx_probs_times_values<D>(reinterpret_cast<const uint16_t*>(s.probs.data()), half * sizeof(uint32_t),
+                                       s.vi.data(), shared / kSharedKeyStep, s.out.data());
     alignas(64) float m_rows[kSharedRows], sum_rows[kSharedRows];
     _mm512_store_ps(m_rows, _mm512_mul_ps(mx, sc));
     _mm512_store_ps(sum_rows, sum);

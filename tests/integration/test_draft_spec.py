@@ -50,17 +50,7 @@ def assert_twins_rolled_back(engine: LLMEngine) -> None:
 
 def run_checked(engine: LLMEngine, arrivals: dict[int, dict[str, list[int]]], params: SamplingParams) -> dict:
     """tests/integration/test_spec_decode.py's `run`, checking the twins after every step."""
-    finished, steps = {}, 0
-    while arrivals or engine.has_unfinished_requests():
-        for request_id, ids in arrivals.pop(steps, {}).items():
-            engine.add_request(request_id, ids, params)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        assert_twins_rolled_back(engine)
-        steps += 1
-        assert steps < 5000
-    return finished
+    return run(engine, arrivals, params, check=assert_twins_rolled_back)
 
 
 def test_a_draft_identical_to_the_target_is_always_accepted(tiny_dir):

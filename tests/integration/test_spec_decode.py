@@ -10,6 +10,7 @@ accepted runs at chosen positions: stop tokens and max_tokens inside a run.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -36,7 +37,9 @@ def make_engine(model_dir, speculative=None, **config) -> LLMEngine:
 
 
 def run(engine: LLMEngine, arrivals: dict[int, dict[str, list[int]]], params: SamplingParams,
-        observe: list[StepStats] | None = None) -> dict:
+        observe: list[StepStats] | None = None, check: Callable[[LLMEngine], None] | None = None) -> dict:
+    """Feeds `arrivals` (step -> requests) and steps to the end; after every step the pages held
+    are checked, and `check` (where given) runs too."""
     if observe is not None:
         engine.add_step_observer(observe.append)
     finished, step = {}, 0
@@ -47,6 +50,8 @@ def run(engine: LLMEngine, arrivals: dict[int, dict[str, list[int]]], params: Sa
             if out.finished:
                 finished[out.request_id] = out
         assert_no_draft_pages_held(engine)
+        if check is not None:
+            check(engine)
         step += 1
         assert step < 5000
     return finished

@@ -137,11 +137,14 @@ def test_disaggregated_journey_matches_hf(hf_tiny):
     router.assert_clean()
 
 
-def test_disaggregated_decode_with_prompt_lookup_matches_hf(loopy_dir, hf_loopy):
-    """1P1D with prompt lookup on the decode worker (builtin:tiny made repetitive, so proposals
-    are right and wrong): the stream is HF greedy's, token for token."""
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft"])
+def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, loopy_draft_dir, method):
+    """1P1D with speculation on the decode worker only (builtin:tiny made repetitive, so proposals
+    are right and wrong; a draft model's prompt KV is computed on the decode worker itself): the
+    stream is HF greedy's, token for token, and a draft's pages are all free at the end."""
     sampling = m.Sampling(max_tokens=40, ignore_eos=True)
-    router = MiniRouter(model=str(loopy_dir), decode_speculative={"method": "prompt_lookup"}, sampling=sampling)
+    speculative = {"method": method} | ({"draft_model": str(loopy_draft_dir)} if method == "draft" else {})
+    router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative, sampling=sampling)
     prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
     for rid, prompt in prompts.items():
         router.submit(rid, prompt)
@@ -151,26 +154,9 @@ def test_disaggregated_decode_with_prompt_lookup_matches_hf(loopy_dir, hf_loopy)
         assert router.outputs[rid] == hf_greedy(hf_loopy, prompt, sampling.max_tokens)[0], rid
     assert sum(a for _, a in router.spec.values()) > 0
     assert sum(p - a for p, a in router.spec.values()) > 0
-    router.assert_clean()
-
-
-def test_disaggregated_decode_with_a_draft_model_matches_hf(loopy_dir, hf_loopy, loopy_draft_dir):
-    """1P1D with a draft model on the decode worker only: the decode worker computes the draft's
-    prompt KV itself; the stream is HF greedy's and the draft's pages are all free at the end."""
-    sampling = m.Sampling(max_tokens=40, ignore_eos=True)
-    router = MiniRouter(model=str(loopy_dir), sampling=sampling,
-                        decode_speculative={"method": "draft", "draft_model": str(loopy_draft_dir)})
-    prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
-    for rid, prompt in prompts.items():
-        router.submit(rid, prompt)
-        router.pump()
-    router.run(lambda: len(router.finished) == len(prompts))
-    for rid, prompt in prompts.items():
-        assert router.outputs[rid] == hf_greedy(hf_loopy, prompt, sampling.max_tokens)[0], rid
-    assert sum(a for _, a in router.spec.values()) > 0
-    assert sum(p - a for p, a in router.spec.values()) > 0
-    draft = router.decode.engine.speculator.proposers["draft"]
-    assert not draft.twins and draft.page_manager.num_referenced_pages == 0  # type: ignore[attr-defined]
+    if method == "draft":
+        draft = router.decode.engine.speculator.proposers["draft"]
+        assert not draft.twins and draft.page_manager.num_referenced_pages == 0  # type: ignore[attr-defined]
     router.assert_clean()
 
 
