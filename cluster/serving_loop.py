@@ -12,9 +12,10 @@ authentic), counted through `on_reject("commands", reason)` and dropped, never f
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import zmq
@@ -24,6 +25,7 @@ from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifie
 
 log = logging.getLogger(__name__)
 MAX_COMMAND_BYTES = 16 << 20  # the largest command: a prompt of up to 1M token ids is ~9 MiB
+MAX_EVENTS_PER_FRAME = 256  # events of one step per frame (the router takes any number of parts)
 
 
 class WorkerRole(Protocol):
@@ -39,7 +41,14 @@ OnReject = Callable[[str, str], None]  # (socket, reason): a dropped message, co
 
 class EventSink:
     """Thread-confined PUSH socket to the router; `emit` is what roles call. Each sink signs
-    with a signer of its own (`name`: the worker's id, for the router's log lines)."""
+    with a signer of its own (`name`: the worker's id, for the router's log lines).
+
+    Inside `batch()` (the serving loop wraps each step in it) events are held and leave as one
+    signed frame of one part per event when the step ends: a decode step of 32 sequences sent
+    32 frames, each a ZMQ send (~20 us on the step's thread) and a receive and HMAC check on
+    the router, which shares the compute cores. Served quick bursts of vs_vllm.py (builtin:small
+    bf16, 2 cores, two runs each way): router CPU 1.31-1.39 against 1.68-1.77 s, burst
+    4.40-4.47 against 4.26-4.27 req/s."""
 
     def __init__(self, router_event_address: str, secret: ClusterSecret, name: str,
                  context: zmq.Context | None = None) -> None:
@@ -48,13 +57,35 @@ class EventSink:
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"tcp://{router_event_address}")
+        self._held: list[bytes] | None = None  # events of the step in progress, inside batch()
 
     def twin(self) -> EventSink:
         """Another sink to the same router, for another thread (its own socket and counter)."""
         return EventSink(self.address, self._secret, self.name)
 
     def emit(self, message: object) -> None:
-        self._sock.send_multipart(self._signer.wrap(self.address, wm.encode(message)))
+        if self._held is None:
+            self._send([wm.encode(message)])
+            return
+        self._held.append(wm.encode(message))
+        if len(self._held) >= MAX_EVENTS_PER_FRAME:
+            self._send(self._held)
+            self._held = []
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Holds what is emitted inside, then sends it as one frame (also when the block raises:
+        what the step emitted before failing still reaches the router)."""
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self._send(held)
+
+    def _send(self, parts: list[bytes]) -> None:
+        self._sock.send_multipart(self._signer.wrap(self.address, *parts))
 
     def close(self) -> None:
         self._sock.close()
@@ -97,7 +128,8 @@ def serve(
                     except zmq.Again:
                         break
                     _take(role, verifier, message, on_reject)
-            busy = role.step()
+            with events.batch():  # the step's events leave as one frame
+                busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
     except BaseException:
         stop.set()  # the loop died: heartbeats stop with it, so the router sees a dead worker, not a zombie

@@ -192,22 +192,26 @@ class WorkerPool:
         self._waiters.pop(request_id, None)
 
     async def _pump_events(self) -> None:
-        """Every worker event to where it belongs. One bad event is dropped and counted; nothing
+        """Every worker event to where it belongs (a frame carries one or more, one part each: a
+        worker sends a step's events together). One bad event is dropped and counted; nothing
         a peer sends ends this task (which would leave every worker looking dead). An event that
         is not signed under the cluster's secret is not even parsed."""
         while True:
             message = await self._events.recv_multipart()
             try:
                 _, parts = self._verifier.verify(message)
-                if len(parts) != 1:
-                    raise ValueError(f"an event is one part after its signature, not {len(parts)}")
-                self._dispatch(wm.decode(bytes(parts[0])))
             except AuthError as exc:
                 self.reject(exc.reason, str(exc))
-            except ValueError as exc:
-                self.reject("malformed", str(exc))
-            except Exception as exc:  # noqa: BLE001 - the pump outlives any one event
-                self.reject("error", str(exc))
+                continue
+            if not parts:
+                self.reject("malformed", "an event frame with no event after its signature")
+            for part in parts:  # a worker's step sends its events as one frame, one part each
+                try:
+                    self._dispatch(wm.decode(bytes(part)))
+                except ValueError as exc:
+                    self.reject("malformed", str(exc))
+                except Exception as exc:  # noqa: BLE001 - the pump outlives any one event
+                    self.reject("error", str(exc))
 
     def reject(self, reason: str, detail: str) -> None:
         """Counts (and logs) a worker event dropped for `reason`: here, when it cannot be read, or
