@@ -29,6 +29,8 @@ MAX_EVENTS_PER_FRAME = 256  # events of one step per frame (the router takes any
 
 
 class WorkerRole(Protocol):
+    batch_events: bool  # a step's events leave together (EventSink.batch); False: each as emitted
+
     def handle(self, message: object) -> None: ...
 
     def step(self) -> bool: ...
@@ -128,7 +130,7 @@ def serve(
                     except zmq.Again:
                         break
                     _take(role, verifier, message, on_reject)
-            with events.batch():  # the step's events leave as one frame
+            with events.batch() if role.batch_events else contextlib.nullcontext():  # one frame a step
                 busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
     except BaseException:

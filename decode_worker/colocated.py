@@ -14,6 +14,8 @@ from proto.worker_messages import Abort, Failed, Generate
 
 
 class ColocatedWorker:
+    batch_events = True  # a step's Tokens leave as one frame (cluster/serving_loop.py EventSink)
+
     def __init__(self, worker_id: str, engine: LLMEngine, emit: Callable[[object], None]) -> None:
         self.worker_id = worker_id
         self.engine = engine

@@ -43,6 +43,8 @@ def tokens_message(worker_id: str, out: RequestOutput) -> Tokens:
 
 
 class DecodeWorker:
+    batch_events = True  # a step's Tokens leave as one frame (cluster/serving_loop.py EventSink)
+
     def __init__(
         self,
         worker_id: str,

@@ -37,6 +37,10 @@ class _Job:
 
 
 class PrefillWorker:
+    # A step's first tokens leave as they are made, not with the step's other events: the step
+    # ships KV after them, and the router streams a first token as soon as it has it.
+    batch_events = False
+
     def __init__(
         self,
         worker_id: str,
