@@ -30,6 +30,7 @@ from router.policy import WorkerLoad
 
 log = logging.getLogger(__name__)
 MAX_EVENT_BYTES = 16 << 20  # the largest event: a Tokens message with up to 1M token ids is ~9 MiB
+MAX_EVENTS_PER_FRAME = 1024  # events in one frame (a worker sends a step's, 256 at most: cluster/serving_loop.py)
 
 
 @dataclass(frozen=True)
@@ -203,8 +204,9 @@ class WorkerPool:
             except AuthError as exc:
                 self.reject(exc.reason, str(exc))
                 continue
-            if not parts:
-                self.reject("malformed", "an event frame with no event after its signature")
+            if not 1 <= len(parts) <= MAX_EVENTS_PER_FRAME:
+                self.reject("malformed", f"an event frame of {len(parts)} events (1 to {MAX_EVENTS_PER_FRAME})")
+                continue
             for part in parts:  # a worker's step sends its events as one frame, one part each
                 try:
                     self._dispatch(wm.decode(bytes(part)))

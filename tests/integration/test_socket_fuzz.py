@@ -27,6 +27,7 @@ from engine.metrics.peak import Peak
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from proto.frame_auth import ClusterSecret, FrameSigner, FrameVerifier
+from router.worker_pool import MAX_EVENTS_PER_FRAME
 from tests.helpers import hf_greedy
 from tests.local_cluster import LocalCluster, free_port
 
@@ -257,6 +258,27 @@ def test_well_formed_messages_without_the_secret_get_nothing_done(cluster, hf_ti
         counts = counted(host, wanted)
         assert {k: counts[k] for k in wanted} == wanted, host.worker_id
     cluster.wait_pages_free()
+
+
+def test_a_signed_event_frame_is_taken_part_by_part_and_bounded(cluster):
+    """A step's events come as one frame, one part each (cluster/serving_loop.py EventSink.batch):
+    the router reads every part on its own, so two malformed parts cost two counts and not the
+    frame's valid event; a frame of no events, or of more than the router takes, is one count."""
+    pool, address = cluster.router.pool, cluster.router.event_address
+    before = pool.rejected.get("malformed", 0)
+    signer = FrameSigner(cluster.secret, "decode-0")
+    load = wm.encode(wm.Load("no-such-worker", "decode", 0, 0, 0))  # authentic, well formed: dropped silently
+    sock = push(address)
+    try:
+        sock.send_multipart(signer.wrap(address, b"\x01not msgpack", load, msgpack.packb({"kind": "nonsense"})))
+        sock.send_multipart(signer.wrap(address))
+        sock.send_multipart(signer.wrap(address, *[load] * (MAX_EVENTS_PER_FRAME + 1)))
+    finally:
+        sock.close()
+    wait_for(lambda: pool.rejected.get("malformed", 0) >= before + 4)
+    time.sleep(0.2)  # nothing more is counted: the valid part was not
+    assert pool.rejected.get("malformed", 0) == before + 4
+    assert cluster.router.pool.all_healthy(["prefill", "decode"])
 
 
 def on_router_loop(cluster, fn, timeout_s: float = 15.0):
