@@ -50,18 +50,13 @@ def _tables(batch: int, prefixes: int, prefix_pages: int, suffix_pages: int, gro
     return torch.stack(rows).contiguous()
 
 
-def _cache(shape, dtype, gen) -> torch.Tensor:
-    """A layer's K or V cache on transparent huge pages where the OS allows, as the engine's
-    (engine/kv_cache.py): with 4 KiB pages a step's scattered reads would measure page walks."""
-    cache = torch.empty(shape, dtype=dtype)
-    huge_pages.advise(cache)
-    return cache.copy_(torch.randn(shape, generator=gen))
-
-
 def _run(args, dtype, table: torch.Tensor, gen) -> list[float]:
     pages = int(table.max()) + 1
     shape = (pages, args.page_size, args.kv_heads, args.head_dim)
-    caches = [(_cache(shape, dtype, gen), _cache(shape, dtype, gen)) for _ in range(args.layers)]
+    # On transparent huge pages where the OS allows, as the engine's KV cache (engine/kv_cache.py):
+    # with 4 KiB pages a step's scattered reads would measure page walks.
+    caches = [tuple(huge_pages.empty(shape, dtype).copy_(torch.randn(shape, generator=gen)) for _ in "kv")
+              for _ in range(args.layers)]
     context = (table.shape[1] - args.suffix_pages) * args.page_size + args.suffix
     query = torch.randn(args.batch, args.heads, args.head_dim, generator=gen).to(dtype)
     starts = torch.arange(args.batch + 1, dtype=torch.int32)

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from configs import load_cluster_config
 from engine import LLM, SamplingParams
 from kernels import cpu_ops
+
+CLUSTER_CONFIG = Path(__file__).resolve().parent.parent / "configs/bench/vs-vllm-colocated.yaml"
 
 _SPIN = "import time,sys\nb,i=float(sys.argv[1])/1e3,float(sys.argv[2])/1e3\nwhile True:\n t=time.perf_counter()\n" \
         " while time.perf_counter()-t<b: pass\n time.sleep(i)\n"
@@ -91,12 +96,17 @@ def main() -> None:
     parser.add_argument("--load", default="", help="BUSY_MS,IDLE_MS: also run beside a competitor that spins/sleeps so")
     parser.add_argument("--seed", type=int, default=5)
     args = parser.parse_args()
+    if args.load and not re.fullmatch(r"\d+(\.\d+)?,\d+(\.\d+)?", args.load):
+        parser.error(f"--load takes BUSY_MS,IDLE_MS (for example 0.5,3.5), not {args.load!r}")
 
     timer = _AttentionTimer()
-    llm = LLM(args.model, dtype=args.dtype, page_size=16, max_num_batched_tokens=2048, max_num_seqs=128,
-              kv_cache_memory_bytes=4 << 30)  # configs/bench/vs-vllm-colocated.yaml's engine
+    # The engine pdserve's side of vs_vllm.py serves with (page size, KV budget, step budget).
+    pool = load_cluster_config(CLUSTER_CONFIG).colocated
+    assert pool is not None, f"{CLUSTER_CONFIG} has no colocated pool"
+    engine = pool.engine.model_dump() | {"dtype": args.dtype}
+    llm = LLM(args.model, **engine)
     rng = random.Random(args.seed)
-    vocab = llm.engine.model_config.vocab_size if hasattr(llm.engine, "model_config") else 32000
+    vocab = llm.engine.model_config.vocab_size
 
     def prompts() -> list[list[int]]:
         heads = [[rng.randrange(100, vocab) for _ in range(args.prefix_len)] for _ in range(args.prefixes)]

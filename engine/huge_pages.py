@@ -77,6 +77,14 @@ def advise(tensor: torch.Tensor) -> int:
     return _apply(tensor, MADV_HUGEPAGE) if available() else 0
 
 
+def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialised tensor whose memory (on CPU) will fault in as huge pages: advised before
+    anything touches it (the KV cache's pages, engine/kv_cache.py; benchmarks' caches alike)."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    advise(tensor)
+    return tensor
+
+
 def collapse(tensors: list[torch.Tensor]) -> int:
     """Tensors that already hold data, moved onto huge pages in place (synchronous: ~0.1 s a
     GiB). Bytes covered."""

@@ -13,14 +13,6 @@ from engine import huge_pages
 from engine.model.config import ModelConfig
 
 
-def _zeroed_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zeroed page tensor whose memory (on CPU) is faulted in as huge pages: advised before the
-    zeroing touches it (engine/huge_pages.py says why)."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    huge_pages.advise(tensor)
-    return tensor.zero_()
-
-
 class KVCache:
     def __init__(
         self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
@@ -33,8 +25,9 @@ class KVCache:
         self.layers = layers if layers is not None else range(cfg.num_layers)
         kv_heads = num_kv_heads or cfg.num_kv_heads
         shape = (num_pages, page_size, kv_heads, cfg.head_dim)  # per layer
-        self.k = [_zeroed_on_huge_pages(shape, dtype, device) for _ in self.layers]
-        self.v = [_zeroed_on_huge_pages(shape, dtype, device) for _ in self.layers]
+        # Zeroed after the huge-page advice, so the zeroing's faults take huge pages.
+        self.k = [huge_pages.empty(shape, dtype, device).zero_() for _ in self.layers]
+        self.v = [huge_pages.empty(shape, dtype, device).zero_() for _ in self.layers]
 
     @staticmethod
     def pages_for_budget(cfg: ModelConfig, memory_bytes: int, page_size: int, dtype: torch.dtype) -> int:

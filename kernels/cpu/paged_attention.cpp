@@ -67,7 +67,7 @@ struct Item {
   int64_t q_end;
   int64_t kv_head = 0;
   int64_t num_kv_heads = 1;  // heads kv_head .. kv_head + num_kv_heads - 1, one after the other
-  int64_t shared = -1;       // else: this KV head of SharedPrefix `shared` (the fields above unused)
+  int64_t shared = -1;       // >= 0: these KV heads of SharedPrefix `shared` (seq and q_* unused)
 };
 
 // Decode tokens whose page tables begin with the same `keys / page_size` pages (a cached
