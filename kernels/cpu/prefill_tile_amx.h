@@ -115,20 +115,48 @@ void attend_tile_amx(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_hea
     return std::min(num_blocks, amx_key_blocks(limit(last)));
   };
 
-  // S = Q K^T, tile by tile: C (tile 0) += A (tile 1: 16 rows x 32 dims) x B (tile 2: 16 dim
-  // pairs x 16 keys), over the head-dim chunks.
+  // S = Q K^T, tile by tile: C += A (16 rows x 32 dims of Q) x B (16 dim pairs x 16 keys), over
+  // the head-dim chunks.
   for (int64_t r0 = 0; r0 < padded; r0 += kAmxRows) {
     const uint16_t* qa = s.q.data() + r0 * D;
-    const int64_t nb = blocks_seen(r0);
-    for (int64_t b = 0; b < nb; ++b) {
-      _tile_zero(0);
-      const uint32_t* kb = keys.kt.data() + b * NP * kKeyBlock;
-      for (int c = 0; c < kChunks; ++c) {
-        _tile_loadd(1, qa + 32 * c, D * sizeof(uint16_t));
-        _tile_loadd(2, kb + 16 * c * kKeyBlock, kKeyBlock * sizeof(uint32_t));
-        _tile_dpbf16ps(0, 1, 2);
+    float* srow = s.scores.data() + r0 * row_len;
+    const int64_t nb = blocks_seen(r0);  // even: key blocks come in 32-key steps
+    if constexpr (kChunks <= 2) {
+      // Head dims up to 64: the row block's Q stays in tiles 4-5 for all its keys, and two key
+      // blocks are in flight (C tiles 0-1, B tiles 2-3 and 6-7), so each product depends on
+      // loads issued a block earlier instead of on the previous product's store.
+      _tile_loadd(4, qa, D * sizeof(uint16_t));
+      if constexpr (kChunks == 2) _tile_loadd(5, qa + 32, D * sizeof(uint16_t));
+      for (int64_t b = 0; b < nb; b += 2) {
+        const uint32_t* kb = keys.kt.data() + b * NP * kKeyBlock;
+        const uint32_t* kb1 = kb + NP * kKeyBlock;
+        constexpr int kStride = kKeyBlock * sizeof(uint32_t);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, kb, kStride);
+        _tile_loadd(6, kb1, kStride);
+        _tile_dpbf16ps(0, 4, 2);
+        _tile_dpbf16ps(1, 4, 6);
+        if constexpr (kChunks == 2) {
+          _tile_loadd(3, kb + 16 * kKeyBlock, kStride);
+          _tile_loadd(7, kb1 + 16 * kKeyBlock, kStride);
+          _tile_dpbf16ps(0, 5, 3);
+          _tile_dpbf16ps(1, 5, 7);
+        }
+        _tile_stored(0, srow + b * kKeyBlock, row_len * sizeof(float));
+        _tile_stored(1, srow + (b + 1) * kKeyBlock, row_len * sizeof(float));
       }
-      _tile_stored(0, s.scores.data() + r0 * row_len + b * kKeyBlock, row_len * sizeof(float));
+    } else {
+      for (int64_t b = 0; b < nb; ++b) {
+        _tile_zero(0);
+        const uint32_t* kb = keys.kt.data() + b * NP * kKeyBlock;
+        for (int c = 0; c < kChunks; ++c) {
+          _tile_loadd(1, qa + 32 * c, D * sizeof(uint16_t));
+          _tile_loadd(2, kb + 16 * c * kKeyBlock, kKeyBlock * sizeof(uint32_t));
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, srow + b * kKeyBlock, row_len * sizeof(float));
+      }
     }
   }
   // The exact softmax of each row over its visible keys, scaled (zeros up to row_len).

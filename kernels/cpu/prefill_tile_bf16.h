@@ -149,12 +149,13 @@ inline float softmax_row(const float* scores, int64_t limit, int64_t row_len, fl
   };
   __m512 mv = neg_inf;
   for (int64_t t = 0; t < limit; t += 16) mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(neg_inf, visible(t), scores + t));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
   const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 m_sc = _mm512_set1_ps(_mm512_reduce_max_ps(mv) * scale);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < row_len; t += 16) {
     const __mmask16 mask = visible(t);
-    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + t), m), sc);
+    // s scale - m scale in one fused multiply-subtract (one rounding, not two).
+    const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(mask, scores + t), sc, m_sc);
     const __m512 e = _mm512_maskz_mov_ps(mask, exp16(x));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + t), (__m256i)_mm512_cvtneps_pbh(e));

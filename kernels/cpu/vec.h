@@ -58,10 +58,17 @@ inline float hmax(v8f v) {
 
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-// e^x, eight lanes at a time: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor
-// polynomial (truncation < 2e-7 relative, about one ulp), 2^n built in the exponent bits. x is
-// clamped to [-87, 88]: below, ~0 and never a denormal; above, e^88 is still a finite float.
-// glibc's scalar expf cost ~25 cycles a call; this is a few per lane.
+// e^r on |r| <= ln2/2: 1 + r (c1 + r (c2 + r (c3 + r (c4 + r c5)))), fitted (least squares
+// reweighted to minimax) to e^r's relative error: 1.7e-7 at worst in fp32 Horner, against
+// 2.4e-7 for the degree-6 Taylor polynomial it replaced, one multiply-add fewer per lane (the
+// exponentials are ~30% of a prefill attention tile).
+constexpr float kExpC1 = 0.99999970197677612f, kExpC2 = 0.49999150633811951f, kExpC3 = 0.16667635738849640f,
+                kExpC4 = 0.041897930204868317f, kExpC5 = 0.0082903141155838966f;
+
+// e^x, eight lanes at a time: x = n ln2 + r with |r| <= ln2/2, e^r by the polynomial above,
+// 2^n built in the exponent bits. x is clamped to [-87, 88]: below, ~0 and never a denormal;
+// above, e^88 is still a finite float. glibc's scalar expf cost ~25 cycles a call; this is a
+// few per lane.
 inline v8f exp8(v8f x) {
   const v8f lo = v8f{} - 87.0f, hi = v8f{} + 88.0f;
   x = x < lo ? lo : x;
@@ -69,11 +76,10 @@ inline v8f exp8(v8f x) {
   const v8f t = x * 1.44269504088896341f;
   const v8f n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (|t| < 2^22)
   const v8f r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;  // ln2 in two parts
-  v8f p = r * (1.0f / 720) + (1.0f / 120);
-  p = p * r + (1.0f / 24);
-  p = p * r + (1.0f / 6);
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
+  v8f p = r * kExpC5 + kExpC4;
+  p = p * r + kExpC3;
+  p = p * r + kExpC2;
+  p = p * r + kExpC1;
   p = p * r + 1.0f;
   const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
   v8f scale;
@@ -154,19 +160,18 @@ inline __m512 round16(c10::BFloat16, __m512 v) {
 }
 inline __m512 round16(float, __m512 v) { return v; }
 
-// e^x for 16 lanes: x = n ln2 + r, e^r by its degree-6 Taylor polynomial, times 2^n by VSCALEFPS
-// (the same polynomial as vec.h's exp8); x below -87 gives ~0, never a denormal.
+// e^x for 16 lanes: x = n ln2 + r, e^r by exp8's polynomial, times 2^n by VSCALEFPS; x below -87
+// gives ~0, never a denormal.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 720), _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(kExpC5), _mm512_set1_ps(kExpC4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC1));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
