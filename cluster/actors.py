@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import ray
 
+from cluster.gc_policy import tune_for_serving
 from cluster.specs import NODE_IP, WorkerSpec
 from configs import LoggingConfig, setup_logging
 from router.spec import RouterSpec
@@ -26,6 +27,7 @@ class WorkerActor:
         from cluster.worker_host import WorkerHost
 
         setup_logging(logging_config, component=spec.role, worker_id=spec.worker_id)
+        tune_for_serving()
         if spec.host == NODE_IP:  # off loopback: bind this node's address (cluster/worker_launch.py)
             spec = replace(spec, host=ray.util.get_node_ip_address())
         self.host = WorkerHost(spec)
@@ -62,6 +64,7 @@ class RouterActor:
         from router.server import Router
 
         setup_logging(logging_config, component="router")
+        tune_for_serving()
         self.router = Router(spec)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)

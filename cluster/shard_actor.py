@@ -12,6 +12,7 @@ import threading
 
 import ray
 
+from cluster.gc_policy import tune_for_serving
 from configs import EngineConfig
 
 
@@ -20,6 +21,7 @@ class ShardActor:
     def __init__(self, worker_id: str, rank: int, config: EngineConfig, store_address: str) -> None:
         from engine.parallel.shard_follower import run_follower
 
+        tune_for_serving()  # a follower steps with its driver: the same collector setting
         self.worker_id, self.rank = worker_id, rank
         self.error: str | None = None
 
