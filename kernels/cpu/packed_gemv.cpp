@@ -21,6 +21,12 @@
 // nothing is repacked. Why: oneDNN's AMX kernel moved 15-21 GB/s of packed weights at 2-32
 // rows (builtin:small, 2 Sapphire Rapids-class cores, 25 GB/s streaming read), and VDPBF16PS
 // becomes compute-bound from 2 rows.
+//
+// Both paths round their fp32 sums (+ bias) to bf16 as they store them, instead of writing an
+// fp32 [M, N] that a second pass (y.to(bf16)) read back and converted: builtin:small's 12
+// layers + vocabulary projection at 32 rows took 9.6-9.7 ms against 10.8-11.3 (16 rows: 8.3-8.5
+// against 8.6-9.1), and an offline burst (benchmarks/engine_burst.py, with this session's
+// prefill attention change) 5.71-5.94 against 5.38-5.50 req/s (four runs each, alternating).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,10 +61,18 @@ void for_blocks(int64_t blocks, int64_t grain, F&& f) {
 }
 
 #if defined(__AVX512BF16__)
-// Output block `ob` (NB outputs) for M rows of x (each K bf16, `ldx` apart): fp32 into y.
+// 16 fp32 outputs [o, o + 16) of one row: + bias (when there is one), rounded to bf16 into
+// `row`. The sum is rounded once, in fp32 and then to bf16, as F.linear's bf16 product is; the
+// kernel writes the bf16 result itself rather than an fp32 [M, N] that a second pass converts.
+inline void store_outputs(__m512 v, const float* bias, int64_t o, uint16_t* row) {
+  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + o));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + o), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// Output block `ob` (NB outputs) for M rows of x (each K bf16, `ldx` apart): (+ bias) into y.
 template <int M, int NB>
 inline void block(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t kb_size, int64_t ob,
-                  float* y, int64_t ldy) {
+                  const float* bias, uint16_t* y, int64_t ldy) {
   constexpr int NV = NB / 16;  // 16 outputs per vector
   __m512 acc[M][NV];
   for (int m = 0; m < M; ++m)
@@ -77,14 +91,15 @@ inline void block(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, 
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(y + m * ldy + ob * NB + 16 * v, acc[m][v]);
+    for (int v = 0; v < NV; ++v) store_outputs(acc[m][v], bias, ob * NB + 16 * v, y + m * ldy);
 }
 
 template <int M, int NB>
-void run(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t kb_size, int64_t n, float* y) {
+void run(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t kb_size, int64_t n, const float* bias,
+         uint16_t* y) {
   // A grain of 128 outputs: each pull streams a run of W front to back.
   for_blocks(n / NB, std::max(1, 128 / NB), [&](int64_t begin, int64_t end) {
-    for (int64_t ob = begin; ob < end; ++ob) block<M, NB>(w, x, ldx, k, kb_size, ob, y, n);
+    for (int64_t ob = begin; ob < end; ++ob) block<M, NB>(w, x, ldx, k, kb_size, ob, bias, y, n);
   });
 }
 #endif
@@ -93,7 +108,8 @@ void run(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t k
 // y [m, n] fp32 = x [m <= 32, k] W^T over AMX-layout 32 x 32 tiles. Tiles: 0-1 C of rows
 // 0-15 (outputs 0-15, 16-31 of the block), 2-3 C of rows 16-31, 4-5 A of those row groups,
 // 6-7 B (the weight tile's two halves).
-void run_amx(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t n, float* y) {
+void run_amx(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float* bias,
+             uint16_t* y) {
   const int m0 = static_cast<int>(std::min<int64_t>(m, 16)), m1 = static_cast<int>(m - m0);
   const uint8_t rows[8] = {static_cast<uint8_t>(m0), static_cast<uint8_t>(m0), static_cast<uint8_t>(m1),
                            static_cast<uint8_t>(m1), static_cast<uint8_t>(m0), static_cast<uint8_t>(m1), 16, 16};
@@ -101,6 +117,7 @@ void run_amx(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t m, int64
   // Tiles configured per pull of 4 blocks (LDTILECFG is cheap next to 4 x K/32 tile products).
   for_blocks(n / 32, 4, [&](int64_t begin, int64_t end) {
     pdserve::configure_amx_tiles(rows);
+    alignas(64) float c[32][32];  // one block's fp32 products, rows x outputs, before rounding
     for (int64_t ob = begin; ob < end; ++ob) {
       const uint16_t* tile = w + ob * k * 32;
       _tile_zero(0);
@@ -124,12 +141,15 @@ void run_amx(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t m, int64
           _tile_dpbf16ps(3, 5, 7);
         }
       }
-      float* yb = y + ob * 32;
-      _tile_stored(0, yb, n * sizeof(float));
-      _tile_stored(1, yb + 16, n * sizeof(float));
+      _tile_stored(0, c[0], 32 * sizeof(float));
+      _tile_stored(1, c[0] + 16, 32 * sizeof(float));
       if (m1) {
-        _tile_stored(2, yb + 16 * n, n * sizeof(float));
-        _tile_stored(3, yb + 16 * n + 16, n * sizeof(float));
+        _tile_stored(2, c[16], 32 * sizeof(float));
+        _tile_stored(3, c[16] + 16, 32 * sizeof(float));
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        store_outputs(_mm512_load_ps(c[r]), bias, ob * 32, y + r * n);
+        store_outputs(_mm512_load_ps(c[r] + 16), bias, ob * 32 + 16, y + r * n);
       }
     }
     _tile_release();
@@ -169,24 +189,29 @@ at::Tensor packed_gemv(at::Tensor x, at::Tensor blocked, int64_t n, c10::optiona
   TORCH_CHECK(n % block_n == 0 && blocked.numel() == n * k && blocked.is_contiguous(),
               "the blocked weight must hold N x K elements, N a multiple of the block");
   if (x.stride(1) != 1) x = x.contiguous();
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor bias_f;  // fp32, contiguous: added to the fp32 sums before they are rounded
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "bias must hold N = ", n, " values, got ", bias->numel());
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
 #if defined(__AVX512BF16__)
   const auto* w = reinterpret_cast<const uint16_t*>(blocked.data_ptr<at::BFloat16>());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   (void)amx;
 #if PDSERVE_AMX
   if (amx) {
-    run_amx(w, xp, x.stride(0), m, k, n, yp);
-    if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-    return y.to(at::kBFloat16);
+    run_amx(w, xp, x.stride(0), m, k, n, bp, yp);
+    return y;
   }
 #endif
   auto rows = [&](auto nb) {
     constexpr int NB = decltype(nb)::value;
     switch (m) {
 #define PDSERVE_ROWS(M) \
-  case M: run<M, NB>(w, xp, x.stride(0), k, block_k, n, yp); break;
+  case M: run<M, NB>(w, xp, x.stride(0), k, block_k, n, bp, yp); break;
       PDSERVE_ROWS(1) PDSERVE_ROWS(2) PDSERVE_ROWS(3) PDSERVE_ROWS(4)
       PDSERVE_ROWS(5) PDSERVE_ROWS(6) PDSERVE_ROWS(7) PDSERVE_ROWS(8)
 #undef PDSERVE_ROWS
@@ -197,6 +222,5 @@ at::Tensor packed_gemv(at::Tensor x, at::Tensor blocked, int64_t n, c10::optiona
   else
     rows(std::integral_constant<int, 64>{});
 #endif
-  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
-  return y.to(at::kBFloat16);
+  return y;
 }
