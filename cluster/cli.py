@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve",
         description="pdserve: disaggregated prefill/decode LLM serving. Models are 'builtin:tiny', "
         "'builtin:small' (random, made locally on first use), 'builtin:code-small', 'builtin:code-draft' "
-        "(trained locally on first use) or a local Hugging Face directory "
-        "(Llama, Mistral or Qwen2 family, safetensors weights).",
+        "(trained locally on first use) or a local Hugging Face directory (Llama, Mistral or Qwen2 family, "
+        "safetensors weights); 'builtin:code-medusa' names Medusa heads for builtin:code-small.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="load this draft model (a directory or builtin: name with the model's tokenizer) and "
                           "speculate with it unless --speculative-method says otherwise")
     complete.add_argument("--medusa-heads", default=None,
-                          help="load these Medusa heads (a directory in Medusa's layout, made for the model) and "
-                          "speculate with them unless --speculative-method says otherwise")
+                          help="load these Medusa heads (a directory in Medusa's layout, made for the model, or "
+                          "builtin:code-medusa for builtin:code-small) and speculate with them unless "
+                          "--speculative-method says otherwise")
     complete.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                           help="auto: bfloat16 where the CPU has native bf16 (or on GPU), else float32")
     complete.set_defaults(func=cmd_requests.complete)

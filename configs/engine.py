@@ -36,7 +36,8 @@ class SpeculativeConfig(BaseModel):
     # medusa: heads on the target's last hidden state, head i guessing the token i + 2 positions
     # past it (engine/spec/medusa_proposer.py): a directory in the published Medusa layout
     # (config.json + medusa_lm_head.safetensors / .pt, or a model.safetensors with `medusa_head.`
-    # tensors). Set, requests may ask for "medusa" even when `method` is another.
+    # tensors) or `builtin:code-medusa` (heads for builtin:code-small). Set, requests may ask for
+    # "medusa" even when `method` is another.
     medusa_heads: str | None = Field(None, min_length=1)
     # A step whose scheduled tokens (decodes, prefill chunks and proposals) reach this many is
     # no longer memory-bound: proposals past it would cost compute, so none are added. 0 = no
@@ -62,7 +63,7 @@ class SpeculativeConfig(BaseModel):
                              "directory (or builtin: name) with the target's tokenizer")
         if self.method == "medusa" and self.medusa_heads is None:
             raise ValueError("speculative.method 'medusa' needs speculative.medusa_heads: a directory of Medusa "
-                             "heads for the target (config.json + medusa_lm_head.safetensors)")
+                             "heads for the target (config.json + medusa_lm_head.safetensors) or builtin:code-medusa")
         return self
 
 

@@ -1,7 +1,7 @@
 """Medusa heads: small networks on the target's last hidden state that guess the tokens after next.
 
 Loaded beside the target by the engine (engine/engine.py) when `speculative.medusa_heads` is set;
-engine/spec/medusa_proposer.py runs them. Medusa
+engine/spec/medusa_proposer.py runs them, engine/model/train_medusa.py fits them. Medusa
 (Cai et al. 2024) puts N heads on the target's final-norm hidden state h_t at position t (the
 row whose logits give token t + 1): head i is `num_layers` residual blocks x + SiLU(W x + b)
 followed by its own vocabulary projection, and guesses token t + 2 + i.
@@ -28,7 +28,7 @@ CONFIG_FILE = "config.json"
 # The heads' weight files, in the order they are looked for in a directory.
 HEADS_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "model.safetensors")
 MEDUSA2_PREFIX = "medusa_head."
-ABOUT_FILE = "pdserve_medusa.json"  # how pdserve made them, where it did
+ABOUT_FILE = "pdserve_medusa.json"  # how pdserve made them (engine/model/train_medusa.py)
 
 
 @dataclass(frozen=True)
@@ -91,10 +91,17 @@ class MedusaHeads(nn.ModuleList):
         return self.head_logits(hidden, num_heads).argmax(dim=-1).T.cpu()
 
 
-def resolve_heads_path(name: str) -> Path:
-    """A local directory of heads, or their weights file."""
-    if name.startswith("builtin:"):
-        raise ValueError(f"unknown built-in Medusa heads {name!r}; give a directory of heads made for the model")
+def resolve_heads_path(name: str, cache_dir: str | None = None) -> Path:
+    """`builtin:code-medusa` (heads for builtin:code-small, trained into the cache on first use)
+    or a local directory / weights file."""
+    from engine.model.builtin import BUILTIN_PREFIX, TRAINED_HEADS, ensure_builtin
+
+    if name.startswith(BUILTIN_PREFIX):
+        builtin = name[len(BUILTIN_PREFIX):]
+        if builtin not in TRAINED_HEADS:
+            raise ValueError(f"unknown built-in Medusa heads {name!r}; choose one of "
+                             f"{[BUILTIN_PREFIX + n for n in TRAINED_HEADS]} or a directory")
+        return ensure_builtin(builtin, cache_dir)
     return Path(name).expanduser()
 
 

@@ -76,6 +76,6 @@ def load_configured_heads(config: EngineConfig, target: ModelConfig) -> MedusaHe
     name = config.speculative.medusa_heads
     if name is None:
         raise ValueError("no speculative.medusa_heads configured")
-    path = resolve_heads_path(name)
+    path = resolve_heads_path(name, config.cache_dir)
     return load_medusa_heads(path, target.hidden_size, target.vocab_size, resolve_dtype(config.dtype, config.device),
                              config.device)
