@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from engine.model.medusa_heads import MedusaConfig, MedusaHeads, write_heads
 from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
-from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, run_steps, using_threads
+from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, describe_run, run_steps, using_threads
 from engine.model.train_model import load_hf_model
 
 if TYPE_CHECKING:
@@ -130,9 +130,7 @@ class MedusaReport:
         per_head = ", ".join(f"head {i} (token +{i + 2}): loss {loss:.3f}, top-1 {top1:.1%}"
                              for i, (loss, top1) in enumerate(zip(a.losses, a.top1)))
         return (f"trained {self.recipe}: {self.heads.num_heads} Medusa heads of {self.heads.num_layers} layer(s) on "
-                f"{self.target}: {st.steps} steps, {st.tokens / 1e6:.2f}M tokens in {st.seconds / 60:.1f} min "
-                f"({self.compute.threads} threads, {'bf16' if self.compute.bf16 else 'fp32'}, "
-                f"{'compiled' if self.compute.compile else 'eager'}); final train loss {st.last_loss:.3f}\n"
+                f"{self.target}: {describe_run(st, self.compute)}; final train loss {st.last_loss:.3f}\n"
                 f"held-out loss {self.before.mean_loss:.4f} -> {a.mean_loss:.4f} nats/token (mean over heads); "
                 f"{per_head}")
 
