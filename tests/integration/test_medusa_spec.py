@@ -69,19 +69,27 @@ def assert_nothing_kept(engine: LLMEngine) -> None:
 
 
 def test_heads_that_predict_the_target_are_always_accepted(repeat_dir, heads_dir):
+    from engine.metrics.peak import Peak
+    from engine.metrics.worker_metrics import WorkerMetrics
+
     prompts = prompts_of(3, 30, seed=71)
     plain = run(make_engine(repeat_dir), {0: dict(prompts)}, GREEDY)
-    steps: list[StepStats] = []
     engine = make_engine(repeat_dir, medusa_config(heads_dir))
-    spec = run(engine, {0: dict(prompts)}, GREEDY, observe=steps, check=assert_rows_are_the_last_tokens)
+    metrics = WorkerMetrics(engine, "d0", "decode", Peak.configured(10.0, 1.0))
+    engine.add_step_observer(metrics.observe_step)
+    spec = run(engine, {0: dict(prompts)}, GREEDY, check=assert_rows_are_the_last_tokens)
     proposed, accepted = check_same(plain, spec)
     assert proposed > 0 and accepted == proposed
     totals = engine.speculator.totals["medusa"]
     # k = min(3 heads, the request's 4) each step but a request's last (what max_tokens leaves).
     assert 3 * (totals.num_verified - len(prompts)) < totals.num_proposed <= 3 * totals.num_verified
     assert totals.num_verified <= 0.3 * len(prompts) * GREEDY.max_tokens
-    # Per-method step metrics name medusa.
-    assert sum(s.spec.by_method["medusa"].num_accepted for s in steps if "medusa" in s.spec.by_method) == accepted
+    # The worker's per-method metrics count them under method="medusa".
+    labels = {"worker_id": "d0", "role": "decode", "method": "medusa"}
+    assert metrics.registry.get_sample_value("pdserve_worker_spec_proposed_tokens_total", labels) == proposed
+    assert metrics.registry.get_sample_value("pdserve_worker_spec_accepted_tokens_total", labels) == accepted
+    assert metrics.registry.get_sample_value("pdserve_worker_spec_mean_accepted_length", labels) == pytest.approx(
+        (accepted + totals.num_verified) / totals.num_verified)
     assert_nothing_kept(engine)
 
 
