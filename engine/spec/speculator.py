@@ -2,8 +2,9 @@
 
     sched = scheduler.schedule()
     speculator.plan(sched, scheduler)      # decodes get proposals: 1 + k tokens to compute each
-    logits, sampled = runner.execute(...)  # k + 1 logit rows for a speculating sequence, 1 otherwise
-    results = speculator.sample(logits, sampled)   # verified tokens (1..k+1) per sequence
+    hidden, sampled = runner.execute_hidden(...)  # k + 1 rows for a speculating sequence, 1 otherwise
+    results = speculator.sample(runner.logits(hidden), sampled, hidden)   # verified tokens (1..k+1)
+                                           # per sequence; Medusa's get the row of their newest token
     ... the engine appends them (stopping at a stop token / max_tokens), then
     scheduler.commit_drafts(seq, num_accepted)     # KV of rejected positions dropped, pages freed
 
