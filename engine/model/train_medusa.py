@@ -12,7 +12,10 @@ layout (medusa_lm_head.safetensors + config.json).
 The loss (Medusa-1): at every position t of a window the target's final-norm hidden state h_t
 (the row whose logits give token t + 1) feeds every head, and head i's cross-entropy is against
 the text's token t + 2 + i, weighted by HEAD_DECAY ** i (later heads are harder and matter less:
-a guess counts only if every earlier one was accepted).
+a guess counts only if every earlier one was accepted). With soft labels (Medusa's
+self-distillation) head i instead learns the target's own distribution for that token, the
+target's logits at position t + 1 + i (KL(target || head)): what is accepted is the target's
+choice, not the text's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.model.distill import kl_to_target
 from engine.model.medusa_heads import MedusaConfig, MedusaHeads, write_heads
 from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
 from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, describe_run, run_steps, using_threads
@@ -51,14 +55,20 @@ def init_heads(cfg: MedusaConfig, target: PreTrainedModel) -> MedusaHeads:
     return heads.float()
 
 
-def medusa_losses(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """Head i's mean cross-entropy for each i. hidden [batch, seq, hidden] the target's at the
-    window's inputs, tokens [batch, seq + 1] the window: head i at position t scores token t + 2 + i."""
+def medusa_losses(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor,
+                  target_logits: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Head i's mean loss for each i. hidden [batch, seq, hidden] the target's at the window's
+    inputs, tokens [batch, seq + 1] the window: head i at position t scores token t + 2 + i, by
+    cross-entropy against the text or, given the target's logits [batch, seq, vocab] at the same
+    inputs, by KL to the target's distribution for that token (its logits at t + 1 + i)."""
     seq = hidden.shape[1]
     losses = []
     for i, head in enumerate(heads):
         logits = head(hidden[:, : seq - 1 - i])  # [batch, seq - 1 - i, vocab]
-        losses.append(F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 2 + i :].flatten()))
+        if target_logits is None:
+            losses.append(F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 2 + i :].flatten()))
+        else:
+            losses.append(kl_to_target(target_logits[:, 1 + i :], logits))
     return losses
 
 
@@ -70,15 +80,22 @@ def target_hidden(target: PreTrainedModel, inputs: torch.Tensor) -> torch.Tensor
 
 
 def train_heads(heads: MedusaHeads, target: PreTrainedModel, sampler: WindowSampler, s: TrainSettings,
-                compute: Compute, desc: str = "training Medusa heads", progress: bool | None = None) -> LoopStats:
+                compute: Compute, desc: str = "training Medusa heads", progress: bool | None = None,
+                soft_labels: bool = False) -> LoopStats:
     """s.steps steps of the Medusa-1 loss on `sampler`'s windows, the target frozen."""
     target.eval().requires_grad_(False)
     weights = [HEAD_DECAY**i for i in range(len(heads))]
+    output = target.get_output_embeddings()
+    assert isinstance(output, torch.nn.Linear)
 
     def batch_loss(batch: torch.Tensor) -> torch.Tensor:
         with compute.autocast():
             hidden = target_hidden(target, batch[:, :-1])
-            losses = medusa_losses(heads, hidden, batch)
+            target_logits = None
+            if soft_labels:
+                with torch.no_grad():
+                    target_logits = output(hidden)
+            losses = medusa_losses(heads, hidden, batch, target_logits)
         return torch.stack([w * loss for w, loss in zip(weights, losses)]).sum() / sum(weights)
 
     return run_steps(heads, batch_loss, sampler, s, compute, desc, progress)
@@ -124,27 +141,32 @@ class MedusaReport:
     stats: LoopStats
     before: HeadStats  # held out, the heads as initialised
     after: HeadStats
+    soft_labels: bool = False
 
     def summary(self) -> str:
         st, a = self.stats, self.after
         per_head = ", ".join(f"head {i} (token +{i + 2}): loss {loss:.3f}, top-1 {top1:.1%}"
                              for i, (loss, top1) in enumerate(zip(a.losses, a.top1)))
+        labels = "the target's distributions (KL)" if self.soft_labels else "the text"
         return (f"trained {self.recipe}: {self.heads.num_heads} Medusa heads of {self.heads.num_layers} layer(s) on "
-                f"{self.target}: {describe_run(st, self.compute)}; final train loss {st.last_loss:.3f}\n"
+                f"{self.target}, against {labels}: {describe_run(st, self.compute)}; final train loss "
+                f"{st.last_loss:.3f}\n"
                 f"held-out loss {self.before.mean_loss:.4f} -> {a.mean_loss:.4f} nats/token (mean over heads); "
                 f"{per_head}")
 
     def about(self) -> dict:
         return {"recipe": self.recipe, "kind": "medusa heads", "target": self.target, "heads": asdict(self.heads),
                 "settings": asdict(self.settings), "compute": asdict(self.compute), "head_decay": HEAD_DECAY,
+                "soft_labels": self.soft_labels,
                 "held_out_before": asdict(self.before), "held_out_after": asdict(self.after),
                 "python": platform.python_version(), "torch": torch.__version__}
 
 
 def train_medusa_checkpoint(target_dir: Path, out: Path, recipe: str, target_name: str, num_heads: int,
-                            num_layers: int, s: TrainSettings, compute: Compute,
-                            progress: bool | None = None) -> MedusaReport:
-    """Fits `num_heads` heads of `num_layers` blocks to the checkpoint in `target_dir`; writes them into `out`."""
+                            num_layers: int, s: TrainSettings, compute: Compute, progress: bool | None = None,
+                            soft_labels: bool = False) -> MedusaReport:
+    """Fits `num_heads` heads of `num_layers` blocks to the checkpoint in `target_dir` (against the
+    text, or the target's distributions with `soft_labels`); writes them into `out`."""
     # Before minutes of work, and before the output directory is made.
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"the target {target_dir} is not a Hugging Face checkpoint: it has no config.json")
@@ -159,11 +181,11 @@ def train_medusa_checkpoint(target_dir: Path, out: Path, recipe: str, target_nam
     heads = init_heads(cfg, target)
     before = held_out_heads(heads, target, held_out, compute, s.batch_size)
     stats = train_heads(heads, target, WindowSampler(train_stream, s.seq_len, s.seed), s, compute,
-                        f"training {recipe}", progress)
+                        f"training {recipe}", progress, soft_labels)
     after = held_out_heads(heads, target, held_out, compute, s.batch_size)
     if not math.isfinite(after.mean_loss):
         raise RuntimeError(f"{recipe}: the held-out loss is {after.mean_loss}")
     report = MedusaReport(recipe, target_name, cfg, s, Compute(compute.threads, compute.bf16, stats.compiled), stats,
-                          before, after)
+                          before, after, soft_labels)
     write_heads(out, heads, target_name, report.about())
     return report

@@ -24,7 +24,7 @@ EAGER_FP32 = Compute(threads=2, bf16=False, compile=False)
 
 def test_head_i_is_scored_against_the_token_i_plus_2_ahead():
     """With one-hot 'hidden states' and heads that copy them to the vocabulary, head i's loss is
-    lowest when position t's state encodes token t + 2 + i."""
+    lowest when position t's state encodes token t + 2 + i, with hard labels and soft ones."""
     vocab, seq = 8, 6
     tokens = torch.tensor([[1, 5, 2, 7, 3, 0, 4]])  # a window: seq inputs + 1
     heads = MedusaHeads(MedusaConfig(2, 0, vocab, vocab))
@@ -38,6 +38,11 @@ def test_head_i_is_scored_against_the_token_i_plus_2_ahead():
         losses = [float(x.detach()) for x in medusa_losses(heads, hidden, tokens)]
         right = shift - 2  # the head this shift is right for
         assert losses[right] < 1e-6 and losses[1 - right] > 1.0, (shift, losses)
+        # Soft labels from a target sure of the text (its logits at p put everything on token p + 1):
+        # the same verdicts, read from the target's position t + 1 + i.
+        sure = F.one_hot(tokens[0, 1:], vocab).float()[None] * 50
+        soft = [float(x.detach()) for x in medusa_losses(heads, hidden, tokens, sure)]
+        assert soft[right] < 1e-6 and soft[1 - right] > 1.0, (shift, soft)
 
 
 def test_heads_start_as_identity_blocks_and_the_targets_projection():
