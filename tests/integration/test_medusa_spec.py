@@ -36,9 +36,9 @@ def repeat_dir(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def heads_dir(tiny_dir, tmp_path_factory):
+def heads_dir(lm_head_heads_dir):
     """Three heads, each tiny's (and so the loopy and repeat models') output layer: 'the same again'."""
-    return write_medusa_heads(tmp_path_factory.mktemp("heads"), medusa_tensors_from_lm_head(tiny_dir, 3), 3)
+    return lm_head_heads_dir
 
 
 def medusa_config(heads_dir, **extra) -> dict:
