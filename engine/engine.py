@@ -94,7 +94,7 @@ class LLMEngine:
             draft = load_draft_model(self.config, self.model_config, num_pages)
             proposers[DraftModelProposer.method] = DraftModelProposer(draft, self.config.max_num_batched_tokens)
         if self.config.speculative.medusa_heads is not None:
-            heads = load_configured_heads(self.config, self.model_config)
+            heads = load_configured_heads(self.config, self.model)
             proposers[MedusaProposer.method] = MedusaProposer(heads)
         return proposers
 

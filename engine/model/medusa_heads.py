@@ -20,9 +20,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine.model.layers import SkinnyLinear, linear, pack_weight
+
+if TYPE_CHECKING:
+    from engine.model.attention import AttentionBackend
 
 CONFIG_FILE = "config.json"
 # The heads' weight files, in the order they are looked for in a directory.
@@ -65,6 +72,7 @@ class MedusaHeads(nn.ModuleList):
                                         nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
                           for _ in range(cfg.num_heads)])
         self.cfg = cfg
+        self.skinny: SkinnyLinear | None = None  # the engine's few-row kernel, set by prepare_for_serving
 
     def blocks(self, i: int) -> list[ResBlock]:
         """Head i's residual blocks."""
@@ -85,10 +93,31 @@ class MedusaHeads(nn.ModuleList):
         """hidden [n, hidden] -> [num_heads, n, vocab]: the first `num_heads` heads' logits."""
         return torch.stack([head(hidden) for head in list(self)[: num_heads or len(self)]])
 
+    def prepare_for_serving(self, backend: AttentionBackend) -> None:
+        """After loading, for `top1` only: every linear into the engine's fast layout where its
+        backend packs (oneDNN, and the packed GEMV kernel for one row). Each vocabulary projection
+        is as big as the target's own, so multiplying it the way the target's is multiplied
+        matters: 3 heads of code-small took 1.2 ms a step through F.linear, against 0.15 ms for
+        the target's packed projection of one row."""
+        self.skinny = backend.skinny_linear
+        if backend.packs_linears:
+            for module in self.modules():
+                if isinstance(module, nn.Linear):
+                    pack_weight(module)
+
     @torch.inference_mode()
     def top1(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
         """hidden [n, hidden] -> [n, num_heads] int64: each head's most likely token."""
-        return self.head_logits(hidden, num_heads).argmax(dim=-1).T.cpu()
+        logits = []
+        for i in range(num_heads):
+            x = hidden
+            for block in self.blocks(i):
+                x = x + F.silu(self._linear(block.linear, x))
+            logits.append(self._linear(self.projection(i), x))
+        return torch.stack(logits, dim=1).argmax(dim=-1).cpu()  # one argmax over [n, num_heads, vocab]
+
+    def _linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, module.weight, module.bias, self.skinny, getattr(module, "gemv", None))
 
 
 def resolve_heads_path(name: str, cache_dir: str | None = None) -> Path:

@@ -26,7 +26,7 @@ import torch
 
 from configs.engine import EngineConfig
 from engine.model.compute_dtype import resolve_dtype
-from engine.model.config import ModelConfig
+from engine.model.llama import LlamaForCausalLM
 from engine.model.medusa_heads import MedusaHeads, load_medusa_heads, resolve_heads_path
 from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
 
@@ -71,11 +71,15 @@ class MedusaProposer(BaseProposer):
         self.hidden.pop(seq.request_id, None)
 
 
-def load_configured_heads(config: EngineConfig, target: ModelConfig) -> MedusaHeads:
-    """`config.speculative.medusa_heads`, checked against the target, on the engine's device and dtype."""
+def load_configured_heads(config: EngineConfig, target: LlamaForCausalLM) -> MedusaHeads:
+    """`config.speculative.medusa_heads`, checked against the target, on the engine's device and
+    dtype, multiplied the way the target's own linears are (its kernel backend)."""
     name = config.speculative.medusa_heads
     if name is None:
         raise ValueError("no speculative.medusa_heads configured")
     path = resolve_heads_path(name, config.cache_dir)
-    return load_medusa_heads(path, target.hidden_size, target.vocab_size, resolve_dtype(config.dtype, config.device),
-                             config.device)
+    cfg = target.cfg
+    heads = load_medusa_heads(path, cfg.hidden_size, cfg.vocab_size, resolve_dtype(config.dtype, config.device),
+                              config.device)
+    heads.prepare_for_serving(target.backend)
+    return heads
