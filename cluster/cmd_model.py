@@ -102,7 +102,8 @@ def model_train_medusa(args: argparse.Namespace) -> int:
     target_dir = resolve_model_path(args.target)  # builtin:code-small: trained first if not cached
     report = train_medusa_checkpoint(target_dir, out, MEDUSA, args.target, args.num_heads or base.num_heads,
                                      base.num_layers if args.num_layers is None else args.num_layers, settings,
-                                     _compute(args, settings.steps), progress=True, soft_labels=args.soft_labels)
+                                     _compute(args, settings.steps), progress=True, soft_labels=args.soft_labels,
+                                     tied_projection=args.tie_projection or base.tied_projection)
     print(report.summary())
     print(f"wrote {out}")
     return 0
@@ -177,6 +178,10 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
                         help=f"heads, i.e. tokens proposed per step at most (default {MEDUSA_HEADS})")
     medusa.add_argument("--num-layers", type=_count(0), default=None,
                         help=f"residual blocks per head (default {MEDUSA_LAYERS})")
+    medusa.add_argument("--tie-projection", action="store_true",
+                        help="train only the residual blocks, each head's vocabulary projection staying the "
+                        "target's own: pdserve then multiplies all heads by the target's projection in one "
+                        "product, reading it once (a head's projection is as big as the target's)")
     medusa.add_argument("--soft-labels", action="store_true",
                         help="learn the target's own distribution for each future token (KL, Medusa's "
                         "self-distillation) instead of the text's token")

@@ -142,14 +142,16 @@ class MedusaReport:
     before: HeadStats  # held out, the heads as initialised
     after: HeadStats
     soft_labels: bool = False
+    tied_projection: bool = False
 
     def summary(self) -> str:
         st, a = self.stats, self.after
         per_head = ", ".join(f"head {i} (token +{i + 2}): loss {loss:.3f}, top-1 {top1:.1%}"
                              for i, (loss, top1) in enumerate(zip(a.losses, a.top1)))
         labels = "the target's distributions (KL)" if self.soft_labels else "the text"
+        tied = ", projections tied to the target's" if self.tied_projection else ""
         return (f"trained {self.recipe}: {self.heads.num_heads} Medusa heads of {self.heads.num_layers} layer(s) on "
-                f"{self.target}, against {labels}: {describe_run(st, self.compute)}; final train loss "
+                f"{self.target}{tied}, against {labels}: {describe_run(st, self.compute)}; final train loss "
                 f"{st.last_loss:.3f}\n"
                 f"held-out loss {self.before.mean_loss:.4f} -> {a.mean_loss:.4f} nats/token (mean over heads); "
                 f"{per_head}")
@@ -157,16 +159,17 @@ class MedusaReport:
     def about(self) -> dict:
         return {"recipe": self.recipe, "kind": "medusa heads", "target": self.target, "heads": asdict(self.heads),
                 "settings": asdict(self.settings), "compute": asdict(self.compute), "head_decay": HEAD_DECAY,
-                "soft_labels": self.soft_labels,
+                "soft_labels": self.soft_labels, "tied_projection": self.tied_projection,
                 "held_out_before": asdict(self.before), "held_out_after": asdict(self.after),
                 "python": platform.python_version(), "torch": torch.__version__}
 
 
 def train_medusa_checkpoint(target_dir: Path, out: Path, recipe: str, target_name: str, num_heads: int,
                             num_layers: int, s: TrainSettings, compute: Compute, progress: bool | None = None,
-                            soft_labels: bool = False) -> MedusaReport:
+                            soft_labels: bool = False, tied_projection: bool = False) -> MedusaReport:
     """Fits `num_heads` heads of `num_layers` blocks to the checkpoint in `target_dir` (against the
-    text, or the target's distributions with `soft_labels`); writes them into `out`."""
+    text, or the target's distributions with `soft_labels`; with `tied_projection` only the blocks
+    learn, each projection staying the target's own); writes them into `out`."""
     # Before minutes of work, and before the output directory is made.
     if not (target_dir / "config.json").is_file():
         raise ValueError(f"the target {target_dir} is not a Hugging Face checkpoint: it has no config.json")
@@ -179,6 +182,9 @@ def train_medusa_checkpoint(target_dir: Path, out: Path, recipe: str, target_nam
     held_out = held_out_windows(token_stream(target_dir / "tokenizer.json", [split.read(f) for f in split.held_out]),
                                 s.seq_len, s.eval_windows)
     heads = init_heads(cfg, target)
+    if tied_projection:  # written out all the same: the published layout has a projection per head
+        for i in range(num_heads):
+            heads.projection(i).weight.requires_grad_(False)
     before = held_out_heads(heads, target, held_out, compute, s.batch_size)
     stats = train_heads(heads, target, WindowSampler(train_stream, s.seq_len, s.seed), s, compute,
                         f"training {recipe}", progress, soft_labels)
@@ -186,6 +192,6 @@ def train_medusa_checkpoint(target_dir: Path, out: Path, recipe: str, target_nam
     if not math.isfinite(after.mean_loss):
         raise RuntimeError(f"{recipe}: the held-out loss is {after.mean_loss}")
     report = MedusaReport(recipe, target_name, cfg, s, Compute(compute.threads, compute.bf16, stats.compiled), stats,
-                          before, after, soft_labels)
+                          before, after, soft_labels, tied_projection)
     write_heads(out, heads, target_name, report.about())
     return report

@@ -55,6 +55,7 @@ class MedusaRecipe:
     num_heads: int
     num_layers: int  # residual blocks per head
     settings: TrainSettings
+    tied_projection: bool = False  # only the blocks learn; each projection stays the target's
 
 
 # Heads for code-small: 3 heads of one block (Medusa's default depth), on shorter windows than the
@@ -99,7 +100,8 @@ def build_trained(name: str, out: Path, cache_dir: str | Path | None = None) -> 
 
         m = medusa_recipe()
         report = train_medusa_checkpoint(ensure_builtin(TARGET, cache_dir), out, MEDUSA, "builtin:" + TARGET,
-                                         m.num_heads, m.num_layers, m.settings, Compute.default(m.settings.steps))
+                                         m.num_heads, m.num_layers, m.settings, Compute.default(m.settings.steps),
+                                         tied_projection=m.tied_projection)
         print(report.summary(), file=sys.stderr)
         return out
     r = recipe(name)

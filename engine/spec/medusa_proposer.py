@@ -81,5 +81,8 @@ def load_configured_heads(config: EngineConfig, target: LlamaForCausalLM) -> Med
     cfg = target.cfg
     heads = load_medusa_heads(path, cfg.hidden_size, cfg.vocab_size, resolve_dtype(config.dtype, config.device),
                               config.device)
-    heads.prepare_for_serving(target.backend)
+    # The target's projection as loaded (a tied embedding, or an lm_head not packed for oneDNN):
+    # heads trained with it frozen are multiplied by the target's own, in one product.
+    output = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    heads.prepare_for_serving(target.backend, None if output.is_mkldnn else output, target.compute_logits)
     return heads

@@ -68,13 +68,25 @@ def assert_nothing_kept(engine: LLMEngine) -> None:
     assert_no_page_leak(engine)
 
 
-def test_heads_that_predict_the_target_are_always_accepted(repeat_dir, heads_dir):
+@pytest.fixture(scope="module")
+def untied_heads_dir(tiny_dir, tmp_path_factory):
+    """The same guesses from projections that are not the target's own (twice its weight: the
+    argmax is the same), so the heads multiply their own packed projections."""
+    tensors = {name: t * 2 if name.endswith("1.weight") else t
+               for name, t in medusa_tensors_from_lm_head(tiny_dir, 3).items()}
+    return write_medusa_heads(tmp_path_factory.mktemp("untied-heads"), tensors, 3)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_heads_that_predict_the_target_are_always_accepted(repeat_dir, heads_dir, untied_heads_dir, tied):
     from engine.metrics.peak import Peak
     from engine.metrics.worker_metrics import WorkerMetrics
 
     prompts = prompts_of(3, 30, seed=71)
     plain = run(make_engine(repeat_dir), {0: dict(prompts)}, GREEDY)
-    engine = make_engine(repeat_dir, medusa_config(heads_dir))
+    engine = make_engine(repeat_dir, medusa_config(heads_dir if tied else untied_heads_dir))
+    # Heads whose projections are the target's are multiplied by the target's, all in one product.
+    assert (proposer_of(engine).heads.shared_projection is not None) == tied
     metrics = WorkerMetrics(engine, "d0", "decode", Peak.configured(10.0, 1.0))
     engine.add_step_observer(metrics.observe_step)
     spec = run(engine, {0: dict(prompts)}, GREEDY, check=assert_rows_are_the_last_tokens)

@@ -16,7 +16,7 @@ from engine.model.medusa_heads import MedusaConfig, MedusaHeads, load_medusa_hea
 from engine.model.train import train_checkpoint
 from engine.model.train_loop import Compute
 from engine.model.train_medusa import init_heads, medusa_losses, train_medusa_checkpoint
-from engine.model.train_model import build_model
+from engine.model.train_model import build_model, load_hf_model
 from tests.train_helpers import TINY_SETTINGS, TINY_TARGET, small_stdlib_corpus
 
 EAGER_FP32 = Compute(threads=2, bf16=False, compile=False)
@@ -74,3 +74,13 @@ def test_a_few_steps_lower_the_held_out_loss_and_write_loadable_heads(tmp_path, 
                       "vocab_size": TINY_TARGET.vocab_size, "base_model_name_or_path": "tiny-target"}
     heads = load_medusa_heads(tmp_path / "a", TINY_TARGET.hidden_size, TINY_TARGET.vocab_size, torch.float32, "cpu")
     assert len(heads) == 2
+
+    # Tied: only the blocks learn; every projection written is still the target's own.
+    tied = train_medusa_checkpoint(target_dir, tmp_path / "tied", "tiny-medusa", "tiny-target", 2, 1,
+                                   replace(settings, steps=5), EAGER_FP32, tied_projection=True)
+    assert tied.tied_projection and "projections tied to the target's" in tied.summary()
+    output = load_hf_model(target_dir).get_output_embeddings().weight
+    heads = load_medusa_heads(tmp_path / "tied", TINY_TARGET.hidden_size, TINY_TARGET.vocab_size, torch.float32, "cpu")
+    for i in range(2):
+        assert torch.equal(heads.projection(i).weight, output)
+    assert not torch.equal(heads.blocks(0)[0].linear.weight, torch.zeros_like(heads.blocks(0)[0].linear.weight))
