@@ -5,6 +5,7 @@
     python benchmarks/spec_decode.py --model /path/to/hf-model --num-prompts 8 --max-tokens 128
     python benchmarks/spec_decode.py --layer-scale 0.36 --draft-layers 1     # + a draft: the target's first layer
     python benchmarks/spec_decode.py --model builtin:code-small --draft-model builtin:code-draft
+    python benchmarks/spec_decode.py --model builtin:code-small --medusa-heads builtin:code-medusa
 
 Workload: code-completion prompts cut from this Python's standard library sources (files
 chosen with --seed, each prompt the first --prompt-tokens tokens of a file that has them),
@@ -14,7 +15,7 @@ prompt costs the same prefill whichever method runs it.
 1. Concurrency 1: each prompt alone, once per method (the order alternating from prompt to
    prompt), on one engine whose requests choose the method (SamplingParams.speculative_method),
    so every method runs on the same weights and threads (`draft` too, with --draft-model or
-   --draft-layers). Prints per-method decode tokens/s
+   --draft-layers; `medusa` with --medusa-heads). Prints per-method decode tokens/s
    (first token to last: prefill excluded; p50/p90 over prompts and the aggregate), the ratio to
    `none`, the acceptance rate and the mean accepted length (tokens emitted per verifying step,
    the target's own included), and whether every method's tokens equal `none`'s (greedy
@@ -53,7 +54,7 @@ from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.model.loader import resolve_model_path
 
-METHODS = ("none", "prompt_lookup")  # and "draft" when the run has a draft model
+METHODS = ("none", "prompt_lookup")  # and "draft" / "medusa" when the run has a draft model / heads
 
 
 def scaled_copy(model: str, scale: float, out_dir: Path) -> str:
@@ -195,7 +196,10 @@ def main() -> None:
                         help="adds method `draft`: this checkpoint (the target's tokenizer) proposes")
     parser.add_argument("--draft-layers", type=int, default=None,
                         help="adds method `draft`: the (scaled) target cut to its first N layers proposes")
-    parser.add_argument("--saturation-method", choices=("prompt_lookup", "draft"), default="prompt_lookup")
+    parser.add_argument("--medusa-heads", default=None,
+                        help="adds method `medusa`: these Medusa heads (a directory in Medusa's layout made for "
+                        "the model, or builtin:code-medusa for builtin:code-small) propose")
+    parser.add_argument("--saturation-method", choices=("prompt_lookup", "draft", "medusa"), default="prompt_lookup")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -215,11 +219,13 @@ def main() -> None:
         draft = args.draft_model
         if args.draft_layers is not None:
             draft = truncated_copy(model, args.draft_layers, Path(tmp))
-        methods = METHODS + (("draft",) if draft else ())
+        methods = METHODS + (("draft",) if draft else ()) + (("medusa",) if args.medusa_heads else ())
         if args.saturation_method == "draft" and not draft:
             parser.error("--saturation-method draft needs --draft-model or --draft-layers")
+        if args.saturation_method == "medusa" and not args.medusa_heads:
+            parser.error("--saturation-method medusa needs --medusa-heads")
         speculative: dict = {"method": args.saturation_method, "num_tokens": args.num_speculative_tokens,
-                             "draft_model": draft}
+                             "draft_model": draft, "medusa_heads": args.medusa_heads}
         if args.max_batch_seqs is not None:
             speculative["max_batch_seqs"] = args.max_batch_seqs
         engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative,
@@ -230,6 +236,10 @@ def main() -> None:
             target_params = sum(p.numel() for p in engine.model.parameters())
             scale += (f", draft {args.draft_model or f'its first {args.draft_layers} layer(s)'} "
                       f"({draft_params / 1e6:.1f}M parameters vs {target_params / 1e6:.1f}M)")
+        if args.medusa_heads:
+            heads = engine.speculator.proposers["medusa"].heads
+            heads_params = sum(p.numel() for p in heads.parameters())
+            scale += f", {len(heads)} Medusa heads {args.medusa_heads} ({heads_params / 1e6:.1f}M parameters)"
         print(f"model {args.model}{scale}, dtype {next(engine.model.parameters()).dtype}, "
               f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
               f"CPU capability {torch.backends.cpu.get_cpu_capability()}")

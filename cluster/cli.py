@@ -45,7 +45,8 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding (per request; default: the serving pool's setting)")
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="none: off; prompt_lookup: n-gram proposals from the prompt and output; draft: the "
-                   "pool's draft model proposes (no speculation where the pool has none)")
+                   "pool's draft model proposes; medusa: the pool's Medusa heads propose (draft and medusa: no "
+                   "speculation where the pool has none)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    choices=range(MAX_SPECULATIVE_TOKENS + 1),
                    help=f"proposed tokens per step at most, 0-{MAX_SPECULATIVE_TOKENS} (0: off)")
@@ -108,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve",
         description="pdserve: disaggregated prefill/decode LLM serving. Models are 'builtin:tiny', "
         "'builtin:small' (random, made locally on first use), 'builtin:code-small', 'builtin:code-draft' "
-        "(trained locally on first use) or a local Hugging Face directory "
-        "(Llama, Mistral or Qwen2 family, safetensors weights).",
+        "(trained locally on first use) or a local Hugging Face directory (Llama, Mistral or Qwen2 family, "
+        "safetensors weights); 'builtin:code-medusa' names Medusa heads for builtin:code-small.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--draft-model", default=None,
                           help="load this draft model (a directory or builtin: name with the model's tokenizer) and "
                           "speculate with it unless --speculative-method says otherwise")
+    complete.add_argument("--medusa-heads", default=None,
+                          help="load these Medusa heads (a directory in Medusa's layout, made for the model, or "
+                          "builtin:code-medusa for builtin:code-small) and speculate with them unless "
+                          "--speculative-method says otherwise")
     complete.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                           help="auto: bfloat16 where the CPU has native bf16 (or on GPU), else float32")
     complete.set_defaults(func=cmd_requests.complete)

@@ -1,8 +1,10 @@
-"""`pdserve model build`, `model train` and `model distill`: write a checkpoint in Hugging Face format.
+"""`pdserve model build`, `model train`, `model distill` and `model train-medusa`: write a checkpoint.
 
 `build` writes a built-in by name (the trained ones through the cache, trained there on first
 use); `train` and `distill` run the recipes of engine/model/trained_builtins.py with the command
-line's overrides (steps, seed, threads, compile) into a directory of the user's choice.
+line's overrides (steps, seed, threads, compile) into a directory of the user's choice, in
+Hugging Face format; `train-medusa` fits Medusa heads to a target and writes them in Medusa's
+published layout.
 """
 
 from __future__ import annotations
@@ -88,6 +90,25 @@ def model_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_train_medusa(args: argparse.Namespace) -> int:
+    from engine.model.loader import resolve_model_path
+    from engine.model.train_medusa import train_medusa_checkpoint
+    from engine.model.trained_builtins import MEDUSA, medusa_recipe
+
+    base = medusa_recipe()
+    changes = {k: v for k, v in (("steps", args.steps), ("seed", args.seed)) if v is not None}
+    settings = replace(base.settings, **changes)
+    out = _check_out_dir(args.out, args.force)
+    target_dir = resolve_model_path(args.target)  # builtin:code-small: trained first if not cached
+    report = train_medusa_checkpoint(target_dir, out, MEDUSA, args.target, args.num_heads or base.num_heads,
+                                     base.num_layers if args.num_layers is None else args.num_layers, settings,
+                                     _compute(args, settings.steps), progress=True, soft_labels=args.soft_labels,
+                                     tied_projection=args.tie_projection or base.tied_projection)
+    print(report.summary())
+    print(f"wrote {out}")
+    return 0
+
+
 # The recipes' numbers as the help shows them: the parser is built for every `pdserve` command and
 # must not import torch (engine/), so they are written here; tests/unit/test_train_cli.py checks them.
 TARGET_HELP = "12.6M parameters: hidden 384, 6 layers, vocabulary 8192, context 1024"
@@ -95,11 +116,14 @@ TARGET_STEPS, TARGET_SEED = 500, 1
 DRAFT_HELP = "6.3M parameters: hidden 384, 2 layers"
 DRAFT_STEPS, DRAFT_SEED = 400, 2
 BATCH_HELP = "8 windows of 1024 tokens"
+MEDUSA_STEPS, MEDUSA_SEED, MEDUSA_HEADS, MEDUSA_LAYERS = 300, 3, 3, 1
+MEDUSA_BATCH_HELP = "8 windows of 512 tokens"
 
 
 def add_model_commands(sub: argparse._SubParsersAction) -> None:
     """The `model` command group of cluster/cli.py."""
-    model = sub.add_parser("model", help="write checkpoints: build a built-in, train a target, distil a draft",
+    model = sub.add_parser("model", help="write checkpoints: build a built-in, train a target, distil a draft, "
+                           "fit Medusa heads",
                            description="Write checkpoints in Hugging Face format (config.json, model.safetensors, "
                            "tokenizer.json), loadable by pdserve and by transformers.")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -138,6 +162,32 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
     _training_args(distill, DRAFT_STEPS, DRAFT_SEED)
     distill.set_defaults(func=model_distill)
 
+    medusa = model_sub.add_parser(
+        "train-medusa", help="fit Medusa heads to a target (builtin:code-medusa's recipe)",
+        description="Fit Medusa heads (Medusa-1) to a frozen target on the same stdlib text: head i reads the "
+        "target's final hidden state at each position and learns the token i + 2 positions ahead; each starts as "
+        "the identity block and the target's own vocabulary projection. Prints the held-out loss before and "
+        "after, and each head's top-1 accuracy, which Medusa speculation's acceptance follows. Writes Medusa's "
+        "published layout (medusa_lm_head.safetensors, config.json with medusa_num_heads, medusa_num_layers, "
+        "hidden_size, vocab_size, base_model_name_or_path) for speculative.medusa_heads. The defaults reproduce "
+        "builtin:code-medusa.")
+    medusa.add_argument("--target", default="builtin:code-small",
+                        help="the target: a built-in name or a Llama-family checkpoint directory with tokenizer.json "
+                        "(default builtin:code-small, trained first if not cached)")
+    medusa.add_argument("--num-heads", type=_count(1), default=None,
+                        help=f"heads, i.e. tokens proposed per step at most (default {MEDUSA_HEADS})")
+    medusa.add_argument("--num-layers", type=_count(0), default=None,
+                        help=f"residual blocks per head (default {MEDUSA_LAYERS})")
+    medusa.add_argument("--tie-projection", action="store_true",
+                        help="train only the residual blocks, each head's vocabulary projection staying the "
+                        "target's own: pdserve then multiplies all heads by the target's projection in one "
+                        "product, reading it once (a head's projection is as big as the target's)")
+    medusa.add_argument("--soft-labels", action="store_true",
+                        help="learn the target's own distribution for each future token (KL, Medusa's "
+                        "self-distillation) instead of the text's token")
+    _training_args(medusa, MEDUSA_STEPS, MEDUSA_SEED, MEDUSA_BATCH_HELP)
+    medusa.set_defaults(func=model_train_medusa)
+
 
 def _count(minimum: int) -> Callable[[str], int]:
     """An argparse type: a whole number >= `minimum`, or argparse's usage error naming the option."""
@@ -154,10 +204,10 @@ def _count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _training_args(parser: argparse.ArgumentParser, steps: int, seed: int) -> None:
+def _training_args(parser: argparse.ArgumentParser, steps: int, seed: int, batch_help: str = BATCH_HELP) -> None:
     parser.add_argument("--out", required=True, help="directory to write the checkpoint into")
     parser.add_argument("--force", action="store_true", help="write into a non-empty directory")
-    parser.add_argument("--steps", type=_count(1), help=f"optimiser steps of {BATCH_HELP} (default {steps})")
+    parser.add_argument("--steps", type=_count(1), help=f"optimiser steps of {batch_help} (default {steps})")
     parser.add_argument("--seed", type=_count(0),
                         help=f"seeds the initial weights and the order of the text (default {seed})")
     parser.add_argument("--threads", type=_count(1),

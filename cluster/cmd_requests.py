@@ -22,12 +22,21 @@ def complete(args: argparse.Namespace) -> int:
     method = args.speculative_method
     if method == "draft" and args.draft_model is None:
         raise SystemExit("pdserve: --speculative-method draft needs --draft-model DIR (a model with the same tokenizer)")
+    if method == "medusa" and args.medusa_heads is None:
+        raise SystemExit("pdserve: --speculative-method medusa needs --medusa-heads DIR (heads made for the model)")
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=args.seed, ignore_eos=args.ignore_eos, speculative_method=method,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    speculative = SpeculativeConfig(method="draft", draft_model=args.draft_model) if args.draft_model else SpeculativeConfig()
+    # Given both, the heads are the default and a request may still ask for the draft.
+    loaded = {"draft_model": args.draft_model, "medusa_heads": args.medusa_heads}
+    if args.medusa_heads:
+        speculative = SpeculativeConfig(method="medusa", **loaded)
+    elif args.draft_model:
+        speculative = SpeculativeConfig(method="draft", **loaded)
+    else:
+        speculative = SpeculativeConfig()
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, speculative=speculative))
     prompt_ids = engine.encode(args.prompt)
     engine.add_request("cli", prompt_ids, params)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SPECULATIVE_METHODS = ("none", "prompt_lookup", "draft")  # engine/spec/ builds a proposer for each but "none"
+SPECULATIVE_METHODS = ("none", "prompt_lookup", "draft", "medusa")  # engine/spec/ builds a proposer for each but "none"
 MAX_SPECULATIVE_TOKENS = 16  # per step per sequence, for the pool default and for a request alike
 
 
@@ -22,7 +22,7 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    method: Literal["none", "prompt_lookup", "draft"] = "none"
+    method: Literal["none", "prompt_lookup", "draft", "medusa"] = "none"
     num_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="proposed tokens per step, at most")
     # prompt_lookup: match the last n tokens (n from ngram_max down to ngram_min) against the
     # prompt and output so far; propose what followed the most recent earlier match.
@@ -33,6 +33,12 @@ class SpeculativeConfig(BaseModel):
     # a local Hugging Face directory or a built-in name. Set, requests may ask for "draft" even
     # when `method` is another.
     draft_model: str | None = Field(None, min_length=1)
+    # medusa: heads on the target's last hidden state, head i guessing the token i + 2 positions
+    # past it (engine/spec/medusa_proposer.py): a directory in the published Medusa layout
+    # (config.json + medusa_lm_head.safetensors / .pt, or a model.safetensors with `medusa_head.`
+    # tensors) or `builtin:code-medusa` (heads for builtin:code-small). Set, requests may ask for
+    # "medusa" even when `method` is another.
+    medusa_heads: str | None = Field(None, min_length=1)
     # A step whose scheduled tokens (decodes, prefill chunks and proposals) reach this many is
     # no longer memory-bound: proposals past it would cost compute, so none are added. 0 = no
     # limit. Meant to keep speculation at saturation nearly free: benchmarks/spec_decode.py
@@ -55,6 +61,9 @@ class SpeculativeConfig(BaseModel):
         if self.method == "draft" and self.draft_model is None:
             raise ValueError("speculative.method 'draft' needs speculative.draft_model: a local Hugging Face "
                              "directory (or builtin: name) with the target's tokenizer")
+        if self.method == "medusa" and self.medusa_heads is None:
+            raise ValueError("speculative.method 'medusa' needs speculative.medusa_heads: a directory of Medusa "
+                             "heads for the target (config.json + medusa_lm_head.safetensors) or builtin:code-medusa")
         return self
 
 

@@ -40,6 +40,7 @@ from engine.snapshot import EngineSnapshot
 from engine.spec import BaseProposer, Speculator
 from engine.spec.draft_model import load_draft_model
 from engine.spec.draft_proposer import DraftModelProposer
+from engine.spec.medusa_proposer import MedusaProposer, load_configured_heads
 from engine.spec.speculator import build_proposers
 
 
@@ -86,11 +87,15 @@ class LLMEngine:
 
     def _proposers(self, num_pages: int) -> dict[str, BaseProposer]:
         """Every speculative method this engine serves: prompt lookup always, a draft model when
-        one is configured (loaded here, beside the target, with as many KV pages)."""
+        one is configured (loaded here, beside the target, with as many KV pages), Medusa heads
+        when configured (on the target's hidden states: no pages)."""
         proposers = build_proposers(self.config.speculative)
         if self.config.speculative.draft_model is not None:
             draft = load_draft_model(self.config, self.model_config, num_pages)
             proposers[DraftModelProposer.method] = DraftModelProposer(draft, self.config.max_num_batched_tokens)
+        if self.config.speculative.medusa_heads is not None:
+            heads = load_configured_heads(self.config, self.model)
+            proposers[MedusaProposer.method] = MedusaProposer(heads)
         return proposers
 
     def add_step_observer(self, observer: Callable[[StepStats], None]) -> None:
@@ -205,13 +210,14 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        logits, sampled = self.runner.execute(sched.scheduled)
+        hidden, sampled = self.runner.execute_hidden(sched.scheduled)
         self.scheduler.finish_step(sched)
         self.num_steps += 1
         if not sampled:
             return []
         outputs = []
-        for s, result in zip(sampled, self.speculator.sample(logits, sampled)):
+        # The hidden rows go to proposers that read them (Medusa heads) before the tokens are appended.
+        for s, result in zip(sampled, self.speculator.sample(self.runner.logits(hidden), sampled, hidden)):
             seq = s.seq
             new_tokens, new_logprobs, reason = [], [], None
             # Tokens one at a time: a stop token or max_tokens inside an accepted run ends it there.

@@ -81,8 +81,17 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """Runs one step; returns logits [rows, vocab] (float32, on CPU) and the sequences they
         belong to, in row order: one row each, 1 + k for a sequence verifying k proposed tokens."""
+        hidden, sampled = self.execute_hidden(scheduled)
+        return self.logits(hidden), sampled
+
+    def execute_hidden(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """`execute` stopped before the vocabulary projection: the final-norm hidden states
+        [rows, hidden] of the same rows (what Medusa heads read), on the model's device."""
         batch, sampled = self.build_batch(scheduled)
-        hidden = self.executor.run(batch)
-        if not sampled:
-            return torch.empty(0, self.model.cfg.vocab_size), sampled
-        return self.model.compute_logits(hidden).cpu(), sampled
+        return self.executor.run(batch), sampled
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32 on CPU."""
+        if not hidden.shape[0]:
+            return torch.empty(0, self.model.cfg.vocab_size)
+        return self.model.compute_logits(hidden).cpu()

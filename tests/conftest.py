@@ -70,6 +70,15 @@ def loopy_draft_dir(loopy_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lm_head_heads_dir(tiny_dir, tmp_path_factory) -> Path:
+    """Three Medusa heads for builtin:tiny's geometry, each its output layer behind identity blocks
+    (tests/helpers.py): 'the token just produced comes again', right sometimes on the loopy model."""
+    from tests.helpers import medusa_tensors_from_lm_head, write_medusa_heads
+
+    return write_medusa_heads(tmp_path_factory.mktemp("heads"), medusa_tensors_from_lm_head(tiny_dir, 3), 3)
+
+
+@pytest.fixture(scope="session")
 def hf_loopy(loopy_dir):
     from transformers import AutoModelForCausalLM
 

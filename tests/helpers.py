@@ -94,15 +94,16 @@ class DeviceTensor(torch.Tensor):
 LOOPY_LAYER_SCALE = 0.36
 
 
-def write_loopy_model(src, dst) -> None:
-    """A copy of the checkpoint at `src` with its decoder layers' projections scaled down."""
+def write_loopy_model(src, dst, scale: float = LOOPY_LAYER_SCALE) -> None:
+    """A copy of the checkpoint at `src` with its decoder layers' projections scaled down (at 0 the
+    layers add nothing: the tied embedding makes greedy output repeat the prompt's last token)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     [weights] = list(dst.glob("*.safetensors"))
-    tensors = {name: t * LOOPY_LAYER_SCALE if "layers." in name and "norm" not in name else t
+    tensors = {name: t * scale if "layers." in name and "norm" not in name else t
                for name, t in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})
 
@@ -128,3 +129,39 @@ def write_truncated_model(src, dst, num_layers: int, vocab_size: int | None = No
         config["vocab_size"] = vocab_size
     save_file(tensors, weights, metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def medusa_tensors_from_lm_head(model_dir, num_heads: int, num_layers: int = 1) -> dict[str, torch.Tensor]:
+    """Medusa-1 tensors (`{head}.{layer}.linear.*`, `{head}.{num_layers}.weight`) whose every head is
+    the model's own output layer behind identity blocks: each guesses that the token the model just
+    produced comes again (always right for a model that repeats itself, sometimes for a loopy one)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(next(iter(sorted(model_dir.glob("*.safetensors"))))))
+    output = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])  # [vocab, hidden]
+    hidden = output.shape[1]
+    tensors = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            tensors[f"{i}.{j}.linear.weight"] = torch.zeros(hidden, hidden)
+            tensors[f"{i}.{j}.linear.bias"] = torch.zeros(hidden)
+        tensors[f"{i}.{num_layers}.weight"] = output.clone()
+    return tensors
+
+
+def write_medusa_heads(dst, tensors: dict[str, torch.Tensor], num_heads: int, num_layers: int = 1,
+                       file: str = "medusa_lm_head.safetensors", prefix: str = ""):
+    """Writes `tensors` in Medusa's published layout: config.json and the weights `file` (.safetensors,
+    or .pt via torch.save), each name behind `prefix` ("medusa_head." for Medusa-2 style)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    named = {prefix + name: t for name, t in tensors.items()}
+    if file.endswith(".pt"):
+        torch.save(named, dst / file)
+    else:
+        save_file(named, str(dst / file), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": num_layers}))
+    return dst

@@ -50,6 +50,9 @@ BUILTIN_SPECS = {
 }
 # Trained on the corpus by engine/model/trained_builtins.py, which owns their recipes and cache names.
 TRAINED_NAMES = ("code-small", "code-draft")
+# Not models: Medusa heads for code-small (engine/model/medusa_heads.py), trained and cached the same
+# way, named where heads are (speculative.medusa_heads), never where a model is.
+TRAINED_HEADS = ("code-medusa",)
 
 
 def builtin_names() -> list[str]:
@@ -72,7 +75,7 @@ def parse_builtin(model: str) -> str | None:
 
 def cache_entry_name(name: str) -> str:
     """The cache directory's name: it changes with the recipe's version, so a stale build is never reused."""
-    if name in TRAINED_NAMES:
+    if name in TRAINED_NAMES or name in TRAINED_HEADS:
         from engine.model.trained_builtins import trained_cache_entry_name
 
         return trained_cache_entry_name(name)
@@ -84,14 +87,16 @@ def ensure_builtin(name: str, cache_dir: str | Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     entry = cache_entry_name(name)
     target = root / entry
-    if (target / "model.safetensors").is_file():
+    # Builds are renamed into place whole: the weights file there means a finished one.
+    weights = "medusa_lm_head.safetensors" if name in TRAINED_HEADS else "model.safetensors"
+    if (target / weights).is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     # One builder per entry: the workers of a cluster starting together would otherwise each
     # train a trained built-in for minutes. The others wait here, then find it finished.
     with open(root / f".{entry}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "model.safetensors").is_file():
+        if (target / weights).is_file():
             return target
         # Build beside the target and rename, so a crash never leaves a half-written model that a
         # later run would mistake for a finished one.
@@ -113,7 +118,7 @@ def build_builtin(name: str, out_dir: str | Path, cache_dir: str | Path | None =
     recipe starts from another built-in, the draft, finds that one in `cache_dir`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if name in TRAINED_NAMES:
+    if name in TRAINED_NAMES or name in TRAINED_HEADS:
         from engine.model.trained_builtins import build_trained
 
         return build_trained(name, out, cache_dir)

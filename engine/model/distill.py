@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from engine.model.hf_files import ModelShape, copy_tokenizer, write_checkpoint
 from engine.model.train import next_token_loss
 from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
-from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, run_steps, using_threads
+from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, describe_run, run_steps, using_threads
 from engine.model.train_model import build_model, checkpoint_tensors, load_hf_model
 
 if TYPE_CHECKING:
@@ -118,10 +118,7 @@ class DistillReport:
     def summary(self) -> str:
         st, h = self.stats, self.held_out
         return (f"distilled {self.recipe} ({self.shape.num_parameters() / 1e6:.1f}M parameters) from {self.target}: "
-                f"{st.steps} steps, {st.tokens / 1e6:.2f}M tokens in {st.seconds / 60:.1f} min "
-                f"({st.steady_tokens_per_s:,.0f} tok/s after the first step; {self.compute.threads} threads, "
-                f"{'bf16' if self.compute.bf16 else 'fp32'}, {'compiled' if self.compute.compile else 'eager'}); "
-                f"final train KL {st.last_loss:.3f}\n"
+                f"{describe_run(st, self.compute)}; final train KL {st.last_loss:.3f}\n"
                 f"held-out ({h.tokens:,} tokens): draft loss {h.draft_loss:.4f} (perplexity {math.exp(h.draft_loss):.2f}),"
                 f" target loss {h.target_loss:.4f} (perplexity {math.exp(h.target_loss):.2f}), KL(target||draft) "
                 f"{h.kl:.4f}, top-1 agreement with the target {h.top1_agreement:.1%}")

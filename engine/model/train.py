@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from engine.model.hf_files import ModelShape, write_bpe_tokenizer, write_checkpoint
 from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
-from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, run_steps, using_threads
+from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, describe_run, run_steps, using_threads
 from engine.model.train_model import build_model, checkpoint_tensors
 
 
@@ -71,10 +71,8 @@ class TrainReport:
 
     def summary(self) -> str:
         st = self.stats
-        return (f"trained {self.recipe} ({self.shape.num_parameters() / 1e6:.1f}M parameters): {st.steps} steps, "
-                f"{st.tokens / 1e6:.2f}M tokens in {st.seconds / 60:.1f} min ({st.steady_tokens_per_s:,.0f} tok/s "
-                f"after the first step; {self.compute.threads} threads, {'bf16' if self.compute.bf16 else 'fp32'}, "
-                f"{'compiled' if self.compute.compile else 'eager'}); final train loss {st.last_loss:.3f}\n"
+        return (f"trained {self.recipe} ({self.shape.num_parameters() / 1e6:.1f}M parameters): "
+                f"{describe_run(st, self.compute)}; final train loss {st.last_loss:.3f}\n"
                 f"held-out loss {self.held_out_loss:.4f} nats/token, perplexity {self.perplexity:.2f} "
                 f"({self.held_out_tokens:,} tokens of {self.corpus['held_out_files']} held-out stdlib files)")
 

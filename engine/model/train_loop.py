@@ -158,6 +158,13 @@ class LoopStats:
     compiled: bool
 
 
+def describe_run(stats: LoopStats, compute: Compute) -> str:
+    """How a loop ran, as the trainers' summaries print it: steps, tokens, time, speed, compute."""
+    return (f"{stats.steps} steps, {stats.tokens / 1e6:.2f}M tokens in {stats.seconds / 60:.1f} min "
+            f"({stats.steady_tokens_per_s:,.0f} tok/s after the first step; {compute.threads} threads, "
+            f"{'bf16' if compute.bf16 else 'fp32'}, {'compiled' if compute.compile else 'eager'})")
+
+
 def run_steps(model: torch.nn.Module, batch_loss: Callable[[torch.Tensor], torch.Tensor], sampler: WindowSampler,
               s: TrainSettings, compute: Compute, desc: str, progress: bool | None = None) -> LoopStats:
     """Runs s.steps optimiser steps of `batch_loss` over batches from `sampler`, with a progress

@@ -1,10 +1,13 @@
-"""The recipes of the trained built-ins, `builtin:code-small` and `builtin:code-draft`, and their cache names.
+"""The recipes of the trained built-ins, `builtin:code-small`, `builtin:code-draft` and
+`builtin:code-medusa`, and their cache names.
 
 engine/model/builtin.py resolves `builtin:code-small` / `builtin:code-draft` to a cache
 directory and, on first use, calls `build_trained` here: code-small is trained on this Python's
 standard library (engine/model/train.py, ~12 minutes on 2 cores with AMX), code-draft is
-distilled from it (engine/model/distill.py). `pdserve model train` / `distill` run the same
-recipes, with the command line's overrides (cluster/cmd_model.py).
+distilled from it (engine/model/distill.py), code-medusa is Medusa heads fitted to it
+(engine/model/train_medusa.py; heads, not a model: speculative.medusa_heads names them).
+`pdserve model train` / `distill` / `train-medusa` run the same recipes, with the command line's
+overrides (cluster/cmd_model.py).
 
 PDSERVE_TRAIN_STEPS=N (environment) replaces both recipes' step counts, for a quick, poor model
 (a smoke test, CI); such a build is cached under its own name (`...-stepsN`), never as the real one.
@@ -25,6 +28,7 @@ FORMAT_VERSION = "t1"  # bump when a recipe or the training code changes the byt
 STEPS_ENV = "PDSERVE_TRAIN_STEPS"
 TARGET = "code-small"
 DRAFT = "code-draft"
+MEDUSA = "code-medusa"
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,20 @@ RECIPES = {
 }
 
 
+@dataclass(frozen=True)
+class MedusaRecipe:
+    num_heads: int
+    num_layers: int  # residual blocks per head
+    settings: TrainSettings
+    tied_projection: bool = False  # only the blocks learn; each projection stays the target's
+
+
+# Heads for code-small: 3 heads of one block (Medusa's default depth), on shorter windows than the
+# models' (a head sees every position's hidden state: 8 x 512 positions a step is plenty).
+MEDUSA_RECIPE = MedusaRecipe(3, 1, TrainSettings(steps=300, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=20,
+                                                 seed=3, eval_windows=32))
+
+
 def steps_override() -> int | None:
     text = os.environ.get(STEPS_ENV)
     if not text:
@@ -62,13 +80,30 @@ def recipe(name: str) -> Recipe:
     return base if steps is None else replace(base, settings=replace(base.settings, steps=steps))
 
 
+def medusa_recipe() -> MedusaRecipe:
+    """code-medusa's recipe, with PDSERVE_TRAIN_STEPS applied."""
+    steps = steps_override()
+    return MEDUSA_RECIPE if steps is None else replace(MEDUSA_RECIPE, settings=replace(MEDUSA_RECIPE.settings,
+                                                                                       steps=steps))
+
+
 def trained_cache_entry_name(name: str) -> str:
     steps = steps_override()
     return f"builtin-{name}-{FORMAT_VERSION}" + (f"-steps{steps}" if steps is not None else "")
 
 
 def build_trained(name: str, out: Path, cache_dir: str | Path | None = None) -> Path:
-    """Trains (code-small) or distils (code-draft, from code-small in `cache_dir`) into `out`."""
+    """Trains (code-small) or distils (code-draft, from code-small in `cache_dir`) into `out`, or
+    fits code-medusa's heads to code-small."""
+    if name == MEDUSA:
+        from engine.model.train_medusa import train_medusa_checkpoint
+
+        m = medusa_recipe()
+        report = train_medusa_checkpoint(ensure_builtin(TARGET, cache_dir), out, MEDUSA, "builtin:" + TARGET,
+                                         m.num_heads, m.num_layers, m.settings, Compute.default(m.settings.steps),
+                                         tied_projection=m.tied_projection)
+        print(report.summary(), file=sys.stderr)
+        return out
     r = recipe(name)
     compute = Compute.default(r.settings.steps)
     if name == TARGET:

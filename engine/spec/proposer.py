@@ -4,7 +4,8 @@ A proposer guesses the next tokens of decoding sequences; the target model compu
 positions in the sequence's next step and keeps only what its own sampling would have produced
 (engine/spec/rejection.py), so a proposer changes speed, never output. Prompt lookup
 (engine/spec/prompt_lookup.py) needs no model; a draft model (engine/spec/draft_proposer.py)
-keeps its own KV through the same three calls, and Medusa heads would plug in behind them too.
+keeps its own KV through the same three calls; Medusa heads (engine/spec/medusa_proposer.py)
+read the target's own hidden states, which the speculator hands to proposers that ask for them.
 """
 
 from __future__ import annotations
@@ -47,16 +48,26 @@ class BaseProposer(ABC):
          verified: its first `num_accepted` proposed tokens are now its own (a draft model keeps
          the KV of those and drops the rest). A proposal the step could not take (no free pages
          for it) gets `on_verified(seq, 0)` at once, during `plan`.
+      2b. `keep_hidden(seq, row, num_tokens)` after every step that sampled the sequence, only for
+         a proposer with `reads_hidden`: the target's final-norm hidden state of the row its newest
+         token came from (a verification's: the last accepted token's), current while the
+         sequence has `num_tokens` tokens. Called before the step's tokens are appended, so a
+         sequence that finishes in that step is released after it.
       3. `release(seq)` when a sequence leaves the engine or is preempted (its state goes).
     Proposers hold no pages of the target's KV cache (a draft model has its own)."""
 
     method: str  # the name in configs (SpeculativeConfig.method) and in metric labels
+    max_num_tokens: int | None = None  # the longest proposal it can make (None: no limit of its own)
+    reads_hidden = False  # whether it wants `keep_hidden` (the target's hidden states)
 
     @abstractmethod
     def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
         """One proposal per sequence, at most max_num_tokens[i] tokens long."""
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def keep_hidden(self, seq: Sequence, row: torch.Tensor, num_tokens: int) -> None:  # noqa: B027 - optional hook
         pass
 
     def release(self, seq: Sequence) -> None:  # noqa: B027 - optional hook

@@ -2,8 +2,9 @@
 
     sched = scheduler.schedule()
     speculator.plan(sched, scheduler)      # decodes get proposals: 1 + k tokens to compute each
-    logits, sampled = runner.execute(...)  # k + 1 logit rows for a speculating sequence, 1 otherwise
-    results = speculator.sample(logits, sampled)   # verified tokens (1..k+1) per sequence
+    hidden, sampled = runner.execute_hidden(...)  # k + 1 rows for a speculating sequence, 1 otherwise
+    results = speculator.sample(runner.logits(hidden), sampled, hidden)   # verified tokens (1..k+1)
+                                           # per sequence; Medusa's get the row of their newest token
     ... the engine appends them (stopping at a stop token / max_tokens), then
     scheduler.commit_drafts(seq, num_accepted)     # KV of rejected positions dropped, pages freed
 
@@ -108,6 +109,8 @@ class Speculator:
             room = min(seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens),
                        seq.max_total_tokens - seq.num_tokens)
             k = min(state.next_k(), room - 1, budget)  # the step emits up to k + 1 tokens
+            cap = self.proposers[state.method].max_num_tokens
+            k = k if cap is None else min(k, cap)
             if k > 0:
                 wanted.setdefault(state.method, []).append((index, k))
                 budget -= k
@@ -124,11 +127,16 @@ class Speculator:
                     proposer.on_verified(s.seq, 0)
 
     # -- after the step -----------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq]) -> list[Sampled]:
-        """logits: [rows, vocab], 1 + len(draft) rows per sampled sequence, in order."""
+    def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq], hidden: torch.Tensor | None = None
+               ) -> list[Sampled]:
+        """logits: [rows, vocab], 1 + len(draft) rows per sampled sequence, in order; hidden:
+        [rows, hidden] the final-norm hidden states they came from, for proposers that read them."""
         if all(s.draft is None for s in sampled):  # the plain path: one row each
             tokens, logprobs = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled])
-            return [Sampled([t], [lp], 0) for t, lp in zip(tokens, logprobs)]
+            plain_results = [Sampled([t], [lp], 0) for t, lp in zip(tokens, logprobs)]
+            if hidden is not None:
+                self._keep_hidden(hidden, sampled, list(range(len(sampled))), plain_results)
+            return plain_results
         starts, row = [], 0
         for s in sampled:
             starts.append(row)
@@ -144,7 +152,27 @@ class Speculator:
         for i, s in enumerate(sampled):
             if s.draft is not None:
                 results[i] = self._verify(s, logits[starts[i] : starts[i] + 1 + s.num_draft_tokens])
-        return [r for r in results if r is not None]
+        done = [r for r in results if r is not None]
+        if hidden is not None:
+            self._keep_hidden(hidden, sampled, starts, done)
+        return done
+
+    def _keep_hidden(self, hidden: torch.Tensor, sampled: list[ScheduledSeq], starts: list[int],
+                     results: list[Sampled]) -> None:
+        """Hands each sequence of a hidden-reading method the row its newest token came from: its
+        first row plus the proposals it accepted (the last accepted token's row gave the bonus)."""
+        if not any(p.reads_hidden for p in self.proposers.values()):
+            return
+        readers = []  # (sequence, its proposer, row, tokens it will have)
+        for s, start, result in zip(sampled, starts, results):
+            state = self.state_of(s.seq)
+            if state is not None and (proposer := self.proposers[state.method]).reads_hidden:
+                readers.append((s.seq, proposer, start + result.num_accepted, s.seq.num_tokens + len(result.token_ids)))
+        if not readers:
+            return
+        rows = hidden[torch.tensor([row for _, _, row, _ in readers])]  # a copy: the step's tensor can go
+        for (seq, proposer, _, num_tokens), row in zip(readers, rows):
+            proposer.keep_hidden(seq, row, num_tokens)
 
     def _verify(self, s: ScheduledSeq, logits: torch.Tensor) -> Sampled:
         seq, draft = s.seq, s.draft

@@ -201,5 +201,5 @@ def test_bad_draft_settings_fail_with_their_reason(tiny_dir, tmp_path):
     write_truncated_model(tiny_dir, small_vocab, num_layers=1, vocab_size=2048)
     with pytest.raises(ValueError, match="vocab_size 2048, the target 4096: a draft must use the target's tokenizer"):
         LLMEngine(EngineConfig(model=str(tiny_dir), speculative={"method": "draft", "draft_model": str(small_vocab)}))
-    with pytest.raises(ValueError, match="speculative_method must be one of none, prompt_lookup, draft"):
-        SamplingParams(speculative_method="medusa")
+    with pytest.raises(ValueError, match="speculative_method must be one of none, prompt_lookup, draft, medusa"):
+        SamplingParams(speculative_method="eagle")

@@ -137,13 +137,16 @@ def test_disaggregated_journey_matches_hf(hf_tiny):
     router.assert_clean()
 
 
-@pytest.mark.parametrize("method", ["prompt_lookup", "draft"])
-def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, loopy_draft_dir, method):
+@pytest.mark.parametrize("method", ["prompt_lookup", "draft", "medusa"])
+def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, loopy_draft_dir, lm_head_heads_dir,
+                                                          method):
     """1P1D with speculation on the decode worker only (builtin:tiny made repetitive, so proposals
-    are right and wrong; a draft model's prompt KV is computed on the decode worker itself): the
-    stream is HF greedy's, token for token, and a draft's pages are all free at the end."""
+    are right and wrong; a draft model's prompt KV is computed on the decode worker itself; Medusa
+    heads start on the decode worker's first step of its own): the stream is HF greedy's, token for
+    token, and a draft's pages and Medusa's hidden rows are all gone at the end."""
     sampling = m.Sampling(max_tokens=40, ignore_eos=True)
-    speculative = {"method": method} | ({"draft_model": str(loopy_draft_dir)} if method == "draft" else {})
+    speculative = {"method": method} | {"draft": {"draft_model": str(loopy_draft_dir)},
+                                        "medusa": {"medusa_heads": str(lm_head_heads_dir)}}.get(method, {})
     router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative, sampling=sampling)
     prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
     for rid, prompt in prompts.items():
@@ -157,6 +160,8 @@ def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, l
     if method == "draft":
         draft = router.decode.engine.speculator.proposers["draft"]
         assert not draft.twins and draft.page_manager.num_referenced_pages == 0  # type: ignore[attr-defined]
+    if method == "medusa":
+        assert not router.decode.engine.speculator.proposers["medusa"].hidden  # type: ignore[attr-defined]
     router.assert_clean()
 
 

@@ -155,6 +155,6 @@ def test_bench_requests_carry_the_speculative_flags():
     unset = bench_plan(build_parser().parse_args(["bench", "--address", "x:1"])).options
     assert unset.body_fields() == {}  # the pool's setting applies
     assert not pb.SamplingParams(max_tokens=4, **unset.body_fields()).HasField("speculative_method")
-    for bad in (["--speculative-method", "medusa"], ["--num-speculative-tokens", "17"]):
+    for bad in (["--speculative-method", "eagle"], ["--num-speculative-tokens", "17"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["bench", "--address", "x:1", *bad])

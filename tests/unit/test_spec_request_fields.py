@@ -32,7 +32,7 @@ def test_grpc_fields_reach_the_workers_sampling(tokenizer):
 
 
 @pytest.mark.parametrize("sampling, message", [
-    ({"speculative_method": "medusa"}, "sampling.speculative_method must be one of none, prompt_lookup"),
+    ({"speculative_method": "eagle"}, "sampling.speculative_method must be one of none, prompt_lookup, draft, medusa"),
     ({"num_speculative_tokens": 17}, r"sampling.num_speculative_tokens must be in \[0, 16\]"),
 ])
 def test_grpc_bad_values_are_invalid_argument(tokenizer, sampling, message):

@@ -12,7 +12,7 @@ import pytest
 
 from cluster import cmd_model
 from cluster.cli import build_parser, main
-from engine.model.trained_builtins import DRAFT, RECIPES, TARGET
+from engine.model.trained_builtins import DRAFT, MEDUSA_RECIPE, RECIPES, TARGET
 
 
 def usage_error(argv: list[str], capsys) -> str:
@@ -32,7 +32,7 @@ def help_text(argv: list[str], capsys) -> str:
 
 def test_help_names_the_commands_and_the_built_ins(capsys):
     text = help_text(["model"], capsys)
-    for command in ("build", "train", "distill"):
+    for command in ("build", "train", "distill", "train-medusa"):
         assert command in text
     text = help_text(["model", "build"], capsys)
     for name in ("builtin:tiny", "builtin:small", "builtin:code-small", "builtin:code-draft", "PDSERVE_TRAIN_STEPS"):
@@ -59,6 +59,30 @@ def test_help_explains_each_command_with_the_recipes_numbers(capsys):
     assert cmd_model.BATCH_HELP == f"{s.settings.batch_size} windows of {s.settings.seq_len} tokens"
     assert RECIPES[DRAFT].settings.batch_size == s.settings.batch_size
     assert RECIPES[DRAFT].settings.seq_len == s.settings.seq_len
+
+
+def test_train_medusa_help_shows_its_recipes_numbers(capsys):
+    text = help_text(["model", "train-medusa"], capsys)
+    for option in ("--out", "--target", "--num-heads", "--num-layers", "--steps", "--seed", "--threads", "--force"):
+        assert option in text
+    s = MEDUSA_RECIPE.settings
+    assert (cmd_model.MEDUSA_STEPS, cmd_model.MEDUSA_SEED) == (s.steps, s.seed)
+    assert (cmd_model.MEDUSA_HEADS, cmd_model.MEDUSA_LAYERS) == (MEDUSA_RECIPE.num_heads, MEDUSA_RECIPE.num_layers)
+    assert cmd_model.MEDUSA_BATCH_HELP == f"{s.batch_size} windows of {s.seq_len} tokens"
+    assert f"optimiser steps of {cmd_model.MEDUSA_BATCH_HELP} (default {s.steps})" in text
+    assert f"(default {MEDUSA_RECIPE.num_heads})" in text and "medusa_num_heads" in text
+
+
+@pytest.mark.parametrize("make_target, message", [
+    (lambda tmp: fake_checkpoint(tmp / "t", vocab_size=None), "is not a Hugging Face checkpoint: it has no config.json"),
+    (lambda tmp: fake_checkpoint(tmp / "t", tokenizer=False), "has no tokenizer.json"),
+])
+def test_a_target_heads_cannot_be_fitted_to_is_a_clear_error(tmp_path, capsys, make_target, message):
+    out = tmp_path / "heads"
+    assert main(["model", "train-medusa", "--target", str(make_target(tmp_path)), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve: error: ") and message in err, err
+    assert not out.exists()
 
 
 def test_the_parser_does_not_import_torch():

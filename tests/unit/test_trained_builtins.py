@@ -14,7 +14,7 @@ from cluster.cli import main
 from engine.model import train_corpus, trained_builtins
 from engine.model.builtin import ensure_builtin, parse_builtin
 from engine.model.loader import resolve_model_path
-from engine.model.trained_builtins import DRAFT, STEPS_ENV, TARGET, Recipe
+from engine.model.trained_builtins import DRAFT, STEPS_ENV, TARGET, MedusaRecipe, Recipe
 from tests.helpers import hf_greedy
 from tests.train_helpers import TINY_DRAFT, TINY_SETTINGS, TINY_TARGET, small_stdlib_corpus
 
@@ -130,3 +130,33 @@ def test_cli_defaults_reproduce_the_builtin_and_build_copies_it(tiny_recipes, tm
     assert main(["model", "build", "builtin:code-small", "--out", str(tmp_path / "built")]) == 0
     cached = ensure_builtin(TARGET)
     assert digests(tmp_path / "trained") == digests(cached) == digests(tmp_path / "built")
+
+
+def test_code_medusa_is_fitted_to_code_small_on_first_use_and_serves(tiny_recipes, tmp_path, monkeypatch, capfd):
+    """builtin:code-medusa names heads, not a model: trained after its target into the same cache,
+    loaded by an engine serving that target, and reused."""
+    from configs import EngineConfig
+    from engine import LLMEngine, SamplingParams
+
+    monkeypatch.setattr(trained_builtins, "MEDUSA_RECIPE", MedusaRecipe(2, 1, replace(TINY_SETTINGS, seed=3)))
+    config = EngineConfig(model="builtin:code-small", cache_dir=str(tmp_path), dtype="float32",
+                          speculative={"method": "medusa", "medusa_heads": "builtin:code-medusa", "max_batch_seqs": 0})
+    engine = LLMEngine(config)
+    heads_dir = tmp_path / f"builtin-code-medusa-{trained_builtins.FORMAT_VERSION}"
+    assert json.loads((heads_dir / "config.json").read_text())["base_model_name_or_path"] == "builtin:code-small"
+    assert "held-out loss" in capfd.readouterr().err
+    with pytest.raises(ValueError, match="unknown built-in model 'builtin:code-medusa'"):
+        parse_builtin("builtin:code-medusa")  # not a model name
+    prompt = engine.encode("def add(a, b):\n    return")
+    outs = {}
+    for method in ("none", "medusa"):
+        engine.add_request(method, prompt, SamplingParams(max_tokens=24, ignore_eos=True, speculative_method=method))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outs[out.request_id] = out
+    assert outs["medusa"].token_ids == outs["none"].token_ids
+    assert outs["medusa"].num_spec_proposed > 0
+    stamp = (heads_dir / "medusa_lm_head.safetensors").stat().st_mtime_ns
+    LLMEngine(config)
+    assert (heads_dir / "medusa_lm_head.safetensors").stat().st_mtime_ns == stamp
+    assert "held-out" not in capfd.readouterr().err  # nothing trained the second time
