@@ -9,9 +9,12 @@ the seconds it took, separately for steps where no proposer ran ("off") and, per
 where that method alone proposed ("on"; its proposer's time, the extra rows and the
 verification included). A method proposes while its tokens/s is at least the plain step's:
   - first `min_samples` steps on (its cost is unknown), then `min_samples` steps off;
-  - then the faster side, except that every `probe_interval` decisions the other side runs for
-    `probe_steps` steps, so a method turned off is re-measured (acceptance and batch change) and
-    the plain steps' estimate stays current while a method wins.
+  - then the faster side, except that now and then the other side runs for `probe_steps`
+    steps, so a method turned off is re-measured (acceptance and batch change) and the plain
+    steps' estimate stays current while a method wins. The first probe comes 2 * min_samples
+    decisions after the choice, each further one twice as many decisions later, up to
+    `probe_interval` (a choice made on a few noisy steps is checked soon, a settled one rarely);
+    a choice that flips starts over.
 Only steps of decodes alone are measured (a prompt chunk's cost would be charged to whichever
 side ran it), and not a step whose proposer ran but proposed nothing (prompt lookup without a
 match: a few decisions on such steps early in a request would turn a method off before it was
@@ -63,6 +66,7 @@ class MethodState:
     on: StepEstimate = field(default_factory=StepEstimate)
     winning: bool = True  # the latest comparison's outcome
     decisions_since_probe: int = 0
+    probe_gap: int = 0  # decisions from the last probe (or flip) to the next probe (0: not set)
     probe_steps_left: int = 0  # steps still running the side not chosen
     num_declined: int = 0  # decisions not to propose (warm-up and probes included)
 
@@ -93,13 +97,18 @@ class CostPolicy:
             state.probe_steps_left -= 1
             decision = not state.winning
         else:
-            state.winning = state.on.tokens_per_s >= off.tokens_per_s
-            state.decisions_since_probe += 1
-            decision = state.winning
-            if state.decisions_since_probe >= self.probe_interval:
+            winning = state.on.tokens_per_s >= off.tokens_per_s
+            if winning != state.winning or not state.probe_gap:  # a new choice: check it soon
+                state.probe_gap = min(self.probe_interval, 2 * self.min_samples)
                 state.decisions_since_probe = 0
+            state.winning = winning
+            state.decisions_since_probe += 1
+            decision = winning
+            if state.decisions_since_probe >= state.probe_gap:
+                state.decisions_since_probe = 0
+                state.probe_gap = min(self.probe_interval, 2 * state.probe_gap)
                 state.probe_steps_left = self.probe_steps - 1
-                decision = not state.winning
+                decision = not winning
         state.num_declined += not decision
         return decision
 

@@ -34,14 +34,20 @@ def drive(policy: CostPolicy, method: str, num_seqs: int, num_steps: int, plain_
     return decisions
 
 
-def test_a_losing_method_is_turned_off_after_warm_up_and_re_probed():
+def probe_starts(decisions: list[bool], probing: bool) -> list[int]:
+    """Where runs of `probing` decisions start."""
+    return [i for i, d in enumerate(decisions) if d == probing and (i == 0 or decisions[i - 1] != probing)]
+
+
+def test_a_losing_method_is_turned_off_after_warm_up_and_re_probed_ever_more_rarely():
     policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2)
     # Draft-like: a step costs 1.8x a plain one and gains 0.5 tokens on 4 sequences: 4.5/1.8 < 4/1.
     decisions = drive(policy, "draft", 4, 200, plain_s=1.0, spec_s=1.8, accepted_per_step=0.5)
     assert decisions[:4] == [True] * 4 and decisions[4:8] == [False] * 4  # its cost, then the plain step's
     steady = decisions[8:]
-    assert steady.count(True) == 2 * (len(steady) // 20)  # only the probes: 2 steps in every 20 decisions
-    assert steady[19:21] == [True, True] and steady[21] is False  # the probe at the 20th decision, 2 long
+    # Probes of 2 steps after 8, 16, then every 20 decisions (the probe's second step not counted).
+    assert probe_starts(steady, True) == [7, 24, 45, 66, 87, 108, 129, 150, 171]
+    assert steady.count(True) == 2 * 9 and steady[7:10] == [True, True, False]
     assert policy.methods[("draft", 4)].winning is False
 
 
@@ -50,8 +56,8 @@ def test_a_winning_method_stays_on_and_the_plain_step_is_re_measured():
     # Prompt-lookup-like at batch 1: +10% time, 1.2 more tokens a step.
     decisions = drive(policy, "prompt_lookup", 1, 200, plain_s=1.0, spec_s=1.1, accepted_per_step=1.2)
     steady = decisions[8:]
-    assert steady.count(False) == 2 * (len(steady) // 20)  # plain steps only as probes
-    assert policy.off[1].num_samples == 4 + 2 * (len(steady) // 20)
+    assert probe_starts(steady, False) == [7, 24, 45, 66, 87, 108, 129, 150, 171]  # plain steps only as probes
+    assert policy.off[1].num_samples == 4 + 2 * 9
     assert policy.methods[("prompt_lookup", 1)].winning is True
 
 
@@ -120,7 +126,7 @@ def fake_step(speculator: Speculator, scheduler: Scheduler, clock: FakeClock, sp
 
 def test_the_speculator_measures_steps_with_its_clock_and_stops_a_losing_proposer():
     """Speculating steps take 3 s and keep nothing; plain ones take 1 s. After its warm-up the
-    proposer is not even asked, and the greedy tokens are the target's either way."""
+    proposer is not even asked until its probe, and the greedy tokens are the target's either way."""
     clock = FakeClock()
     config = SpeculativeConfig(method="prompt_lookup", num_tokens=2, max_batch_tokens=0, adaptive=False)
     proposer = AlwaysProposer()
@@ -129,12 +135,13 @@ def test_the_speculator_measures_steps_with_its_clock_and_stops_a_losing_propose
     speculator.cost = CostPolicy(min_samples=2, probe_interval=1000)
     scheduler = Scheduler(PageManager(256, 16, enable_prefix_caching=False), 64, 2048)
     decoding_batch(2, scheduler)
-    drafted = [fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0) for _ in range(12)]
-    assert drafted == [True, True] + [False] * 10
-    assert proposer.num_asked == 4  # 2 sequences x 2 warm-up steps
-    assert speculator.cost.off[2].num_samples == 10 and speculator.cost.off[2].tokens_per_s == pytest.approx(2.0)
+    # 2 steps on, 2 off (warm-up), then off until the first probe, 2 x 2 decisions later.
+    drafted = [fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0) for _ in range(8)]
+    assert drafted == [True, True] + [False] * 5 + [True]
+    assert proposer.num_asked == 6  # 2 sequences x (2 warm-up steps + 1 probe step)
+    assert speculator.cost.off[2].num_samples == 5 and speculator.cost.off[2].tokens_per_s == pytest.approx(2.0)
     assert speculator.cost.methods[("prompt_lookup", 2)].on.tokens_per_s == pytest.approx(2 / 3)
-    assert all(seq.output_token_ids == [5] * 13 for seq in scheduler.running)  # the target's tokens
+    assert all(seq.output_token_ids == [5] * 9 for seq in scheduler.running)  # the target's tokens
 
 
 def test_a_step_with_a_prompt_chunk_is_not_measured():
