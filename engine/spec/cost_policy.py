@@ -14,7 +14,11 @@ verification included). A method proposes while its tokens/s is at least the pla
     steps' estimate stays current while a method wins. The first probe comes 2 * min_samples
     decisions after the choice, each further one twice as many decisions later, up to
     `probe_interval` (a choice made on a few noisy steps is checked soon, a settled one rarely);
-    a choice that flips starts over.
+    a choice that flips starts over. And a probe waits until its expected cost (its steps at the
+    other side's measured rate, against the tokens the chosen side would have emitted in that
+    time) is at most `probe_budget` of the time the chosen side has run since the last probe: a
+    draft model's probe is dear (its first step recomputes the KV of every token the draft
+    missed while off), so it comes rarely.
 Only steps of decodes alone are measured (a prompt chunk's cost would be charged to whichever
 side ran it), and not a step whose proposer ran but proposed nothing (prompt lookup without a
 match: a few decisions on such steps early in a request would turn a method off before it was
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 MIN_SAMPLES = 4
 PROBE_INTERVAL = 100  # decisions between probes of the side not chosen
 PROBE_STEPS = 4  # a probe's length: its first step may carry a draft model's catch-up
+PROBE_BUDGET = 0.02  # a probe's expected cost, at most this share of the chosen side's time since the last
 SMOOTHING = 0.2  # weight of a new sample in the running means
 
 
@@ -68,18 +73,22 @@ class MethodState:
     decisions_since_probe: int = 0
     probe_gap: int = 0  # decisions from the last probe (or flip) to the next probe (0: not set)
     probe_steps_left: int = 0  # steps still running the side not chosen
+    chosen_s_since_probe: float = 0.0  # seconds of measured steps on the chosen side since the last probe
     num_declined: int = 0  # decisions not to propose (warm-up and probes included)
 
 
 class CostPolicy:
     def __init__(self, min_samples: int = MIN_SAMPLES, probe_interval: int = PROBE_INTERVAL,
-                 probe_steps: int = PROBE_STEPS, smoothing: float = SMOOTHING) -> None:
-        if min_samples < 1 or probe_interval < 1 or probe_steps < 1 or not 0.0 < smoothing <= 1.0:
-            raise ValueError("min_samples, probe_interval and probe_steps must be >= 1, smoothing in (0, 1]")
+                 probe_steps: int = PROBE_STEPS, smoothing: float = SMOOTHING,
+                 probe_budget: float = PROBE_BUDGET) -> None:
+        if min_samples < 1 or probe_interval < 1 or probe_steps < 1 or not 0.0 < smoothing <= 1.0 or probe_budget <= 0:
+            raise ValueError("min_samples, probe_interval and probe_steps must be >= 1, smoothing in (0, 1], "
+                             "probe_budget > 0")
         self.min_samples = min_samples
         self.probe_interval = probe_interval
         self.probe_steps = probe_steps
         self.smoothing = smoothing
+        self.probe_budget = probe_budget
         self.off: dict[int, StepEstimate] = {}  # by size bucket: steps where no proposer ran
         self.methods: dict[tuple[str, int], MethodState] = {}  # by (method, size bucket)
 
@@ -100,17 +109,26 @@ class CostPolicy:
             winning = state.on.tokens_per_s >= off.tokens_per_s
             if winning != state.winning or not state.probe_gap:  # a new choice: check it soon
                 state.probe_gap = min(self.probe_interval, 2 * self.min_samples)
-                state.decisions_since_probe = 0
+                state.decisions_since_probe, state.chosen_s_since_probe = 0, 0.0
             state.winning = winning
             state.decisions_since_probe += 1
             decision = winning
-            if state.decisions_since_probe >= state.probe_gap:
-                state.decisions_since_probe = 0
+            if (state.decisions_since_probe >= state.probe_gap
+                    and state.chosen_s_since_probe * self.probe_budget >= self.probe_cost_s(state, off)):
+                state.decisions_since_probe, state.chosen_s_since_probe = 0, 0.0
                 state.probe_gap = min(self.probe_interval, 2 * state.probe_gap)
                 state.probe_steps_left = self.probe_steps - 1
                 decision = not winning
         state.num_declined += not decision
         return decision
+
+    def probe_cost_s(self, state: MethodState, off: StepEstimate) -> float:
+        """Seconds a probe is expected to lose: its steps at the other side's mean step time,
+        less the time the chosen side takes for as many tokens."""
+        chosen, other = (state.on, off) if state.winning else (off, state.on)
+        if chosen.tokens_per_s <= 0:
+            return 0.0
+        return self.probe_steps * max(0.0, other.seconds - other.tokens / chosen.tokens_per_s)
 
     def record(self, methods: Collection[str], num_step_seqs: int, num_tokens: int, seconds: float) -> None:
         """A measured step of decodes: the methods whose proposers ran in it (none: a plain
@@ -119,10 +137,15 @@ class CostPolicy:
         key = size_bucket(num_step_seqs)
         if not methods:
             self.off.setdefault(key, StepEstimate()).add(num_tokens, seconds, self.smoothing)
+            for (_, k), state in self.methods.items():  # the chosen side of the methods that lose here
+                if k == key and not state.winning and not state.probe_steps_left:
+                    state.chosen_s_since_probe += seconds
         elif len(methods) == 1:
             (method,) = methods
             state = self.methods.setdefault((method, key), MethodState())
             state.on.add(num_tokens, seconds, self.smoothing)
+            if state.winning and not state.probe_steps_left:
+                state.chosen_s_since_probe += seconds
 
     def describe(self) -> list[str]:
         """One line per method and step size: both sides' tokens/s and the latest choice."""

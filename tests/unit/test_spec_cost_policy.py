@@ -40,7 +40,7 @@ def probe_starts(decisions: list[bool], probing: bool) -> list[int]:
 
 
 def test_a_losing_method_is_turned_off_after_warm_up_and_re_probed_ever_more_rarely():
-    policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2)
+    policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2, probe_budget=1.0)
     # Draft-like: a step costs 1.8x a plain one and gains 0.5 tokens on 4 sequences: 4.5/1.8 < 4/1.
     decisions = drive(policy, "draft", 4, 200, plain_s=1.0, spec_s=1.8, accepted_per_step=0.5)
     assert decisions[:4] == [True] * 4 and decisions[4:8] == [False] * 4  # its cost, then the plain step's
@@ -52,7 +52,7 @@ def test_a_losing_method_is_turned_off_after_warm_up_and_re_probed_ever_more_rar
 
 
 def test_a_winning_method_stays_on_and_the_plain_step_is_re_measured():
-    policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2)
+    policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2, probe_budget=1.0)
     # Prompt-lookup-like at batch 1: +10% time, 1.2 more tokens a step.
     decisions = drive(policy, "prompt_lookup", 1, 200, plain_s=1.0, spec_s=1.1, accepted_per_step=1.2)
     steady = decisions[8:]
@@ -62,13 +62,33 @@ def test_a_winning_method_stays_on_and_the_plain_step_is_re_measured():
 
 
 def test_a_method_turned_off_comes_back_when_its_probes_find_it_paying():
-    policy = CostPolicy(min_samples=2, probe_interval=10, probe_steps=3)
+    policy = CostPolicy(min_samples=2, probe_interval=10, probe_steps=3, probe_budget=1.0)
     drive(policy, "prompt_lookup", 2, 60, plain_s=1.0, spec_s=1.5, accepted_per_step=0.0)  # nothing accepted
     assert policy.methods[("prompt_lookup", 2)].winning is False
     # The text turns repetitive: the same step cost now emits 4 more tokens (6 vs 2 a step).
     later = drive(policy, "prompt_lookup", 2, 60, plain_s=1.0, spec_s=1.5, accepted_per_step=4.0)
     assert policy.methods[("prompt_lookup", 2)].winning is True
     assert later[-10:].count(True) >= 7  # on again, bar its own probes of the plain step
+
+
+def test_a_dear_probe_waits_until_it_costs_at_most_its_budget():
+    """A probe's expected cost (its steps at the other side's rate against the chosen side's) may
+    be at most probe_budget of the chosen side's time since the last probe."""
+    # Cheap to probe: 4 steps x (1.4 s - 5 tokens at 4 tokens/s) = 0.6 s, so about 30 s (30 plain
+    # steps) between probes at a 2% budget; the decision gap (8, 16, ...) is not what holds it back.
+    cheap = CostPolicy(min_samples=4, probe_interval=1000, probe_steps=4, probe_budget=0.02)
+    steady = drive(cheap, "draft", 4, 300, plain_s=1.0, spec_s=1.4, accepted_per_step=1.0)[8:]
+    assert cheap.probe_cost_s(cheap.methods[("draft", 4)], cheap.off[4]) == pytest.approx(0.6)
+    starts = probe_starts(steady, True)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert abs(starts[0] - 30) <= 1 and all(abs(g - 34) <= 1 for g in gaps[:2])  # 30 plain steps + a 4-step probe
+    assert gaps[2] == 64 + 3  # then the decision gap (8, 16, 32, 64) is the longer wait
+    # Dear: a speculating step takes 5 s for nothing (a draft catching up): 4 x 4 s = 16 s, so
+    # 800 plain steps between probes.
+    dear = CostPolicy(min_samples=4, probe_interval=1000, probe_steps=4, probe_budget=0.02)
+    steady = drive(dear, "draft", 4, 500, plain_s=1.0, spec_s=5.0, accepted_per_step=0.0)[8:]
+    assert not any(steady)
+    assert dear.methods[("draft", 4)].chosen_s_since_probe == pytest.approx(492.0)
 
 
 def test_methods_and_step_sizes_are_measured_apart():
@@ -94,6 +114,8 @@ def test_bad_settings_are_refused():
         CostPolicy(probe_interval=0)
     with pytest.raises(ValueError, match="smoothing"):
         CostPolicy(smoothing=0.0)
+    with pytest.raises(ValueError, match="probe_budget"):
+        CostPolicy(probe_budget=0.0)
 
 
 class FakeClock:
@@ -126,7 +148,7 @@ def fake_step(speculator: Speculator, scheduler: Scheduler, clock: FakeClock, sp
 
 def test_the_speculator_measures_steps_with_its_clock_and_stops_a_losing_proposer():
     """Speculating steps take 3 s and keep nothing; plain ones take 1 s. After its warm-up the
-    proposer is not even asked until its probe, and the greedy tokens are the target's either way."""
+    proposer is not even asked, and the greedy tokens are the target's either way."""
     clock = FakeClock()
     config = SpeculativeConfig(method="prompt_lookup", num_tokens=2, max_batch_tokens=0, adaptive=False)
     proposer = AlwaysProposer()
@@ -135,13 +157,14 @@ def test_the_speculator_measures_steps_with_its_clock_and_stops_a_losing_propose
     speculator.cost = CostPolicy(min_samples=2, probe_interval=1000)
     scheduler = Scheduler(PageManager(256, 16, enable_prefix_caching=False), 64, 2048)
     decoding_batch(2, scheduler)
-    # 2 steps on, 2 off (warm-up), then off until the first probe, 2 x 2 decisions later.
-    drafted = [fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0) for _ in range(8)]
-    assert drafted == [True, True] + [False] * 5 + [True]
-    assert proposer.num_asked == 6  # 2 sequences x (2 warm-up steps + 1 probe step)
-    assert speculator.cost.off[2].num_samples == 5 and speculator.cost.off[2].tokens_per_s == pytest.approx(2.0)
+    # 2 steps on, 2 off (warm-up), then off: a probe would lose 4 x (3 s - 1 s) = 8 s, 400 s of
+    # plain steps at the 2% budget.
+    drafted = [fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0) for _ in range(12)]
+    assert drafted == [True, True] + [False] * 10
+    assert proposer.num_asked == 4  # 2 sequences x 2 warm-up steps
+    assert speculator.cost.off[2].num_samples == 10 and speculator.cost.off[2].tokens_per_s == pytest.approx(2.0)
     assert speculator.cost.methods[("prompt_lookup", 2)].on.tokens_per_s == pytest.approx(2 / 3)
-    assert all(seq.output_token_ids == [5] * 9 for seq in scheduler.running)  # the target's tokens
+    assert all(seq.output_token_ids == [5] * 13 for seq in scheduler.running)  # the target's tokens
 
 
 def test_a_step_with_a_prompt_chunk_is_not_measured():
