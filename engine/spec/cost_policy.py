@@ -19,6 +19,10 @@ verification included). A method proposes while its tokens/s is at least the pla
     time) is at most `probe_budget` of the time the chosen side has run since the last probe: a
     draft model's probe is dear (its first step recomputes the KV of every token the draft
     missed while off), so it comes rarely.
+The first step of a run of a method's steps after plain ones is kept out of its running means
+and measured apart, as its extra time over them: it carries what the method skipped while off
+(a draft's catch-up), a cost of probing, not of proposing, and counted in the means it would
+keep a method that pays off (a draft at concurrency 1: every probe looks dear and losing).
 Only steps of decodes alone are measured (a prompt chunk's cost would be charged to whichever
 side ran it), and not a step whose proposer ran but proposed nothing (prompt lookup without a
 match: a few decisions on such steps early in a request would turn a method off before it was
@@ -74,6 +78,8 @@ class MethodState:
     probe_gap: int = 0  # decisions from the last probe (or flip) to the next probe (0: not set)
     probe_steps_left: int = 0  # steps still running the side not chosen
     chosen_s_since_probe: float = 0.0  # seconds of measured steps on the chosen side since the last probe
+    in_run: bool = False  # the latest measured step at this size ran this method
+    first_step_extra_s: float = 0.0  # a run's first step over the mean step (running mean)
     num_declined: int = 0  # decisions not to propose (warm-up and probes included)
 
 
@@ -128,7 +134,8 @@ class CostPolicy:
         chosen, other = (state.on, off) if state.winning else (off, state.on)
         if chosen.tokens_per_s <= 0:
             return 0.0
-        return self.probe_steps * max(0.0, other.seconds - other.tokens / chosen.tokens_per_s)
+        restart = 0.0 if state.winning else state.first_step_extra_s  # a probe of the method starts a run
+        return restart + self.probe_steps * max(0.0, other.seconds - other.tokens / chosen.tokens_per_s)
 
     def record(self, methods: Collection[str], num_step_seqs: int, num_tokens: int, seconds: float) -> None:
         """A measured step of decodes: the methods whose proposers ran in it (none: a plain
@@ -137,12 +144,20 @@ class CostPolicy:
         key = size_bucket(num_step_seqs)
         if not methods:
             self.off.setdefault(key, StepEstimate()).add(num_tokens, seconds, self.smoothing)
-            for (_, k), state in self.methods.items():  # the chosen side of the methods that lose here
-                if k == key and not state.winning and not state.probe_steps_left:
-                    state.chosen_s_since_probe += seconds
+            for (_, k), state in self.methods.items():
+                if k == key:
+                    state.in_run = False
+                    if not state.winning and not state.probe_steps_left:  # the chosen side of a losing method
+                        state.chosen_s_since_probe += seconds
         elif len(methods) == 1:
             (method,) = methods
             state = self.methods.setdefault((method, key), MethodState())
+            if not state.in_run:  # a run's first step: measured apart
+                state.in_run = True
+                if state.on.num_samples:
+                    extra = max(0.0, seconds - state.on.seconds)
+                    state.first_step_extra_s += self.smoothing * (extra - state.first_step_extra_s)
+                return
             state.on.add(num_tokens, seconds, self.smoothing)
             if state.winning and not state.probe_steps_left:
                 state.chosen_s_since_probe += seconds

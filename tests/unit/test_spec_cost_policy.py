@@ -43,8 +43,9 @@ def test_a_losing_method_is_turned_off_after_warm_up_and_re_probed_ever_more_rar
     policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2, probe_budget=1.0)
     # Draft-like: a step costs 1.8x a plain one and gains 0.5 tokens on 4 sequences: 4.5/1.8 < 4/1.
     decisions = drive(policy, "draft", 4, 200, plain_s=1.0, spec_s=1.8, accepted_per_step=0.5)
-    assert decisions[:4] == [True] * 4 and decisions[4:8] == [False] * 4  # its cost, then the plain step's
-    steady = decisions[8:]
+    # Its cost (a run's first step is measured apart: 5 steps for 4 samples), then the plain step's.
+    assert decisions[:5] == [True] * 5 and decisions[5:9] == [False] * 4
+    steady = decisions[9:]
     # Probes of 2 steps after 8, 16, then every 20 decisions (the probe's second step not counted).
     assert probe_starts(steady, True) == [7, 24, 45, 66, 87, 108, 129, 150, 171]
     assert steady.count(True) == 2 * 9 and steady[7:10] == [True, True, False]
@@ -55,7 +56,7 @@ def test_a_winning_method_stays_on_and_the_plain_step_is_re_measured():
     policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2, probe_budget=1.0)
     # Prompt-lookup-like at batch 1: +10% time, 1.2 more tokens a step.
     decisions = drive(policy, "prompt_lookup", 1, 200, plain_s=1.0, spec_s=1.1, accepted_per_step=1.2)
-    steady = decisions[8:]
+    steady = decisions[9:]
     assert probe_starts(steady, False) == [7, 24, 45, 66, 87, 108, 129, 150, 171]  # plain steps only as probes
     assert policy.off[1].num_samples == 4 + 2 * 9
     assert policy.methods[("prompt_lookup", 1)].winning is True
@@ -77,7 +78,7 @@ def test_a_dear_probe_waits_until_it_costs_at_most_its_budget():
     # Cheap to probe: 4 steps x (1.4 s - 5 tokens at 4 tokens/s) = 0.6 s, so about 30 s (30 plain
     # steps) between probes at a 2% budget; the decision gap (8, 16, ...) is not what holds it back.
     cheap = CostPolicy(min_samples=4, probe_interval=1000, probe_steps=4, probe_budget=0.02)
-    steady = drive(cheap, "draft", 4, 300, plain_s=1.0, spec_s=1.4, accepted_per_step=1.0)[8:]
+    steady = drive(cheap, "draft", 4, 300, plain_s=1.0, spec_s=1.4, accepted_per_step=1.0)[9:]
     assert cheap.probe_cost_s(cheap.methods[("draft", 4)], cheap.off[4]) == pytest.approx(0.6)
     starts = probe_starts(steady, True)
     gaps = [b - a for a, b in zip(starts, starts[1:])]
@@ -86,9 +87,29 @@ def test_a_dear_probe_waits_until_it_costs_at_most_its_budget():
     # Dear: a speculating step takes 5 s for nothing (a draft catching up): 4 x 4 s = 16 s, so
     # 800 plain steps between probes.
     dear = CostPolicy(min_samples=4, probe_interval=1000, probe_steps=4, probe_budget=0.02)
-    steady = drive(dear, "draft", 4, 500, plain_s=1.0, spec_s=5.0, accepted_per_step=0.0)[8:]
+    steady = drive(dear, "draft", 4, 500, plain_s=1.0, spec_s=5.0, accepted_per_step=0.0)[9:]
     assert not any(steady)
-    assert dear.methods[("draft", 4)].chosen_s_since_probe == pytest.approx(492.0)
+    assert dear.methods[("draft", 4)].chosen_s_since_probe == pytest.approx(491.0)
+
+
+def test_a_runs_first_step_is_a_probing_cost_not_the_methods():
+    """A draft's first step after plain ones recomputes what it missed (here 6 s instead of 1.2):
+    kept out of the method's means, it does not turn off a method whose steady steps pay, and it
+    is counted in what a probe of a losing method costs."""
+    policy = CostPolicy(min_samples=2, probe_interval=1000, probe_budget=1.0)
+    in_run = False
+    for _ in range(40):
+        on = policy.should_propose("draft", 1)
+        if on:
+            policy.record({"draft"}, 1, 3, 1.2 if in_run else 6.0)  # 3 tokens a step: 2.5 tok/s vs 1
+        else:
+            policy.record(set(), 1, 1, 1.0)
+        in_run = on
+    state = policy.methods[("draft", 1)]
+    assert state.winning and state.on.seconds == pytest.approx(1.2)
+    assert 0 < state.first_step_extra_s <= 4.8 and policy.probe_cost_s(state, policy.off[1]) > 0
+    state.winning = False  # as if it lost: a probe would start a run and pay the catch-up again
+    assert policy.probe_cost_s(state, policy.off[1]) >= state.first_step_extra_s
 
 
 def test_methods_and_step_sizes_are_measured_apart():
@@ -157,12 +178,12 @@ def test_the_speculator_measures_steps_with_its_clock_and_stops_a_losing_propose
     speculator.cost = CostPolicy(min_samples=2, probe_interval=1000)
     scheduler = Scheduler(PageManager(256, 16, enable_prefix_caching=False), 64, 2048)
     decoding_batch(2, scheduler)
-    # 2 steps on, 2 off (warm-up), then off: a probe would lose 4 x (3 s - 1 s) = 8 s, 400 s of
-    # plain steps at the 2% budget.
+    # 3 steps on (the first is measured apart), 2 off (warm-up), then off: a probe would lose
+    # 4 x (3 s - 1 s) = 8 s, 400 s of plain steps at the 2% budget.
     drafted = [fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0) for _ in range(12)]
-    assert drafted == [True, True] + [False] * 10
-    assert proposer.num_asked == 4  # 2 sequences x 2 warm-up steps
-    assert speculator.cost.off[2].num_samples == 10 and speculator.cost.off[2].tokens_per_s == pytest.approx(2.0)
+    assert drafted == [True, True, True] + [False] * 9
+    assert proposer.num_asked == 6  # 2 sequences x 3 warm-up steps
+    assert speculator.cost.off[2].num_samples == 9 and speculator.cost.off[2].tokens_per_s == pytest.approx(2.0)
     assert speculator.cost.methods[("prompt_lookup", 2)].on.tokens_per_s == pytest.approx(2 / 3)
     assert all(seq.output_token_ids == [5] * 13 for seq in scheduler.running)  # the target's tokens
 
@@ -177,7 +198,8 @@ def test_a_step_with_a_prompt_chunk_is_not_measured():
     fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0)
     assert all(e.num_samples == 0 for e in speculator.cost.off.values())
     assert all(s.on.num_samples == 0 for s in speculator.cost.methods.values())
-    fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0)  # two decodes now
+    fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0)  # two decodes now: a run's first step
+    fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0)
     assert speculator.cost.methods[("prompt_lookup", 2)].on.num_samples == 1
 
 
@@ -223,4 +245,4 @@ def test_a_seeded_request_proposes_whatever_the_policy_says():
         fake_step(speculator, scheduler, clock, spec_s=3.0, plain_s=1.0)
     seeded, unseeded = scheduler.running
     assert seeded.spec is not None and unseeded.spec is not None
-    assert seeded.spec.num_verified == 6 and unseeded.spec.num_verified == 1  # the warm-up step only
+    assert seeded.spec.num_verified == 6 and unseeded.spec.num_verified == 2  # the warm-up steps only
