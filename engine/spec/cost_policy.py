@@ -80,6 +80,7 @@ class MethodState:
     chosen_s_since_probe: float = 0.0  # seconds of measured steps on the chosen side since the last probe
     in_run: bool = False  # the latest measured step at this size ran this method
     first_step_extra_s: float = 0.0  # a run's first step over the mean step (running mean)
+    num_first_steps: int = 0  # measured into first_step_extra_s
     num_declined: int = 0  # decisions not to propose (warm-up and probes included)
 
 
@@ -155,8 +156,10 @@ class CostPolicy:
             if not state.in_run:  # a run's first step: measured apart
                 state.in_run = True
                 if state.on.num_samples:
+                    state.num_first_steps += 1
+                    weight = max(self.smoothing, 1.0 / state.num_first_steps)  # a plain mean at first
                     extra = max(0.0, seconds - state.on.seconds)
-                    state.first_step_extra_s += self.smoothing * (extra - state.first_step_extra_s)
+                    state.first_step_extra_s += weight * (extra - state.first_step_extra_s)
                 return
             state.on.add(num_tokens, seconds, self.smoothing)
             if state.winning and not state.probe_steps_left:

@@ -107,7 +107,7 @@ def test_a_runs_first_step_is_a_probing_cost_not_the_methods():
         in_run = on
     state = policy.methods[("draft", 1)]
     assert state.winning and state.on.seconds == pytest.approx(1.2)
-    assert 0 < state.first_step_extra_s <= 4.8 and policy.probe_cost_s(state, policy.off[1]) > 0
+    assert state.first_step_extra_s == pytest.approx(4.8) and policy.probe_cost_s(state, policy.off[1]) > 0
     state.winning = False  # as if it lost: a probe would start a run and pay the catch-up again
     assert policy.probe_cost_s(state, policy.off[1]) >= state.first_step_extra_s
 
