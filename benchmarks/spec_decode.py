@@ -197,10 +197,15 @@ def saturation(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
           f"{total / best['on']:8.1f} tok/s   "
           f"ratio on/off = {best['off'] / best['on']:.3f}   proposed {on.num_proposed if on else 0}, "
           f"accepted {on.num_accepted if on else 0}   outputs equal: {'yes' if same else 'NO'}")
-    cost = engines["on"].speculator.cost
-    for line in cost.describe() if cost is not None else []:
-        print(f"    cost policy: {line}")
+    print_cost_policy(engines["on"], "    ")
     return same
+
+
+def print_cost_policy(engine: LLMEngine, indent: str) -> None:
+    """The engine's cost-policy estimates and choices, one line per method and step size."""
+    cost = engine.speculator.cost
+    for line in cost.describe() if cost is not None else []:
+        print(f"{indent}cost policy: {line}")
 
 
 def main() -> None:

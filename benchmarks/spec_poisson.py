@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from spec_decode import generate, stdlib_prompts
+from spec_decode import generate, print_cost_policy, stdlib_prompts
 
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
@@ -129,9 +129,7 @@ def main() -> None:
               f"p50 {on.tpot['p50'] / off.tpot['p50']:.3f} p90 {on.tpot['p90'] / off.tpot['p90']:.3f} "
               f"p99 {on.tpot['p99'] / off.tpot['p99']:.3f}   outputs equal: "
               f"{'yes' if not num_differ else f'{num_differ} of {len(prompts)} requests differ'}")
-    cost = engines["on"].speculator.cost
-    for line in cost.describe() if cost is not None else []:
-        print(f"  cost policy: {line}")
+    print_cost_policy(engines["on"], "  ")
     if not ok:
         # In float32 they never have (seen on builtin:tiny); in bf16 a verification's k + 1 rows
         # can round a near-tie otherwise than a one-row decode (seen with cost_policy off too).
