@@ -143,7 +143,8 @@ def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, l
     are right and wrong; a draft model's prompt KV is computed on the decode worker itself): the
     stream is HF greedy's, token for token, and a draft's pages are all free at the end."""
     sampling = m.Sampling(max_tokens=40, ignore_eos=True)
-    speculative = {"method": method} | ({"draft_model": str(loopy_draft_dir)} if method == "draft" else {})
+    speculative = ({"method": method, "cost_policy": False}  # (it decides by the wall clock)
+                   | ({"draft_model": str(loopy_draft_dir)} if method == "draft" else {}))
     router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative, sampling=sampling)
     prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
     for rid, prompt in prompts.items():
