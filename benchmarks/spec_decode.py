@@ -7,23 +7,26 @@
     python benchmarks/spec_decode.py --model builtin:code-small --draft-model builtin:code-draft
     python benchmarks/spec_decode.py --model builtin:code-small --medusa-heads builtin:code-medusa
 
-Workload: code-completion prompts cut from this Python's standard library sources (files
-chosen with --seed, each prompt the first --prompt-tokens tokens of a file that has them),
+Workload: code-completion prompts cut from this Python's standard library sources, from the
+files the trained built-ins hold out (engine/model/train_corpus.py's split: never trained on;
+files chosen with --seed, each prompt the first --prompt-tokens tokens of a file that has them),
 greedy, EOS ignored so every run emits the same number of tokens. Prefix caching is off, so a
 prompt costs the same prefill whichever method runs it.
 
 1. Concurrency 1: each prompt alone, once per method (the order alternating from prompt to
    prompt), on one engine whose requests choose the method (SamplingParams.speculative_method),
    so every method runs on the same weights and threads (`draft` too, with --draft-model or
-   --draft-layers; `medusa` with --medusa-heads). Prints per-method decode tokens/s
+   --draft-layers; `medusa` with --medusa-heads). The cost policy (speculative.cost_policy) is off
+   here, so each method runs as it is, losing or not. Prints per-method decode tokens/s
    (first token to last: prefill excluded; p50/p90 over prompts and the aggregate), the ratio to
    `none`, the acceptance rate and the mean accepted length (tokens emitted per verifying step,
    the target's own included), and whether every method's tokens equal `none`'s (greedy
    speculation is exact).
 2. Saturation: --batch-size prompts at once (continuous batching), speculation on (the engine's
-   adaptive default, with its max_batch_tokens and max_batch_seqs; --saturation-method) vs off,
-   --repeats times alternately; prints the best tokens/s of each, the ratio (below 0.95 would be
-   a regression to report) and whether the outputs are equal.
+   adaptive default, with its max_batch_tokens, max_batch_seqs and cost policy, unless
+   --no-cost-policy; --saturation-method) vs off, --repeats times alternately; prints the best
+   tokens/s of each, the ratio (below 0.95 would be a regression to report), whether the outputs
+   are equal, and the cost policy's estimates.
 
 A random built-in model never repeats itself, so prompt lookup is almost never right on it and
 its acceptance means nothing. --layer-scale S runs a copy of the model whose decoder layers'
@@ -40,9 +43,9 @@ import random
 import shutil
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,6 +56,7 @@ import torch
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.model.loader import resolve_model_path
+from engine.model.train_corpus import split_corpus
 
 METHODS = ("none", "prompt_lookup")  # and "draft" / "medusa" when the run has a draft model / heads
 
@@ -89,17 +93,27 @@ def truncated_copy(model: str, num_layers: int, out_dir: Path) -> str:
     return str(dst)
 
 
-def stdlib_prompts(engine: LLMEngine, n: int, num_tokens: int, seed: int) -> list[list[int]]:
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+def stdlib_prompts(encode: Callable[[str], list[int]], n: int, num_tokens: int, seed: int) -> list[list[int]]:
+    """Code-completion prompts from the held-out split of the trained built-ins' corpus
+    (engine/model/train_corpus.py: stdlib files builtin:code-small never trained on), each the
+    first `num_tokens` tokens of a file that has them, files in an order shuffled by `seed`.
+    Raises SystemExit when too few held-out files are long enough."""
+    split = split_corpus()
+    files = sorted(split.held_out)
     random.Random(seed).shuffle(files)
-    prompts = []
-    for path in files:
-        ids = engine.encode(path.read_text(errors="replace"))
+    prompts, names = [], []
+    for rel in files:
+        ids = encode(split.read(rel))
         if len(ids) >= num_tokens:
             prompts.append(ids[:num_tokens])
+            names.append(rel)
         if len(prompts) == n:
-            break
-    return prompts
+            assert not set(names) & set(split.train)
+            print(f"prompts: the first {num_tokens} tokens of {n} held-out stdlib files "
+                  f"({len(split.held_out)} held out, {len(split.train)} trained on): {', '.join(names)}")
+            return prompts
+    sys.exit(f"only {len(prompts)} of the {len(files)} held-out stdlib files have {num_tokens} tokens; "
+             f"{n} prompts were asked for")
 
 
 def generate(engine: LLMEngine, prompts: list[list[int]],
@@ -162,10 +176,10 @@ def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
 
 
 def saturation(model: str, dtype: str, prompts: list[list[int]], max_tokens: int, repeats: int,
-               speculative: dict) -> bool:
+               speculative: dict, cost_policy: bool) -> bool:
     common = dict(model=model, dtype=dtype, max_num_seqs=len(prompts), enable_prefix_caching=False)
     engines = {"off": LLMEngine(EngineConfig(**common)),
-               "on": LLMEngine(EngineConfig(**common, speculative=speculative))}
+               "on": LLMEngine(EngineConfig(**common, speculative=speculative | {"cost_policy": cost_policy}))}
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     best = {name: float("inf") for name in engines}
     outputs: dict[str, list[list[int]]] = {}
@@ -180,10 +194,19 @@ def saturation(model: str, dtype: str, prompts: list[list[int]], max_tokens: int
     on_config = engines["on"].config.speculative
     print(f"  off {total / best['off']:8.1f} tok/s   on ({on_config.method}, adaptive, "
           f"max_batch_tokens={on_config.max_batch_tokens}, "
-          f"max_batch_seqs={on_config.max_batch_seqs}) {total / best['on']:8.1f} tok/s   "
+          f"max_batch_seqs={on_config.max_batch_seqs}, cost_policy={on_config.cost_policy}) "
+          f"{total / best['on']:8.1f} tok/s   "
           f"ratio on/off = {best['off'] / best['on']:.3f}   proposed {on.num_proposed if on else 0}, "
           f"accepted {on.num_accepted if on else 0}   outputs equal: {'yes' if same else 'NO'}")
+    print_cost_policy(engines["on"], "    ")
     return same
+
+
+def print_cost_policy(engine: LLMEngine, indent: str) -> None:
+    """The engine's cost-policy estimates and choices, one line per method and step size."""
+    cost = engine.speculator.cost
+    for line in cost.describe() if cost is not None else []:
+        print(f"{indent}cost policy: {line}")
 
 
 def main() -> None:
@@ -207,6 +230,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="saturation check: sequences at once (0: skip)")
     parser.add_argument("--max-batch-seqs", type=int, default=None,
                         help="speculative.max_batch_seqs for the saturation run (default: the engine's; 0: no limit)")
+    parser.add_argument("--no-cost-policy", action="store_true",
+                        help="saturation: speculate without the cost policy (speculative.cost_policy: false)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
@@ -228,7 +253,7 @@ def main() -> None:
                              "draft_model": draft, "medusa_heads": args.medusa_heads}
         if args.max_batch_seqs is not None:
             speculative["max_batch_seqs"] = args.max_batch_seqs
-        engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative,
+        engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative | {"cost_policy": False},
                                         enable_prefix_caching=False))
         scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"
         if draft:
@@ -243,12 +268,13 @@ def main() -> None:
         print(f"model {args.model}{scale}, dtype {next(engine.model.parameters()).dtype}, "
               f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
               f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-        prompts = stdlib_prompts(engine, max(args.num_prompts, args.batch_size), args.prompt_tokens, args.seed)
+        prompts = stdlib_prompts(engine.encode, max(args.num_prompts, args.batch_size), args.prompt_tokens, args.seed)
         generate(engine, prompts[:1], SamplingParams(max_tokens=4))  # warm-up
         ok = concurrency_one(engine, prompts[: args.num_prompts], args.max_tokens, methods)
         if args.batch_size:
             batch = (prompts * (args.batch_size // len(prompts) + 1))[: args.batch_size]
-            ok &= saturation(model, args.dtype, batch, args.max_tokens, args.repeats, speculative)
+            ok &= saturation(model, args.dtype, batch, args.max_tokens, args.repeats, speculative,
+                             not args.no_cost_policy)
     if not ok:
         sys.exit("speculative outputs differ from plain greedy")
 

@@ -53,6 +53,11 @@ class SpeculativeConfig(BaseModel):
     # Each request's k follows its acceptance: one more after a step that accepted everything,
     # down to what was accepted (+1) after a miss, and a growing pause after a step accepting none.
     adaptive: bool = True
+    # Per method and step size, the tokens/s of steps that speculated with it is measured against
+    # that of plain steps, and a method proposes only while it is at least as fast; the side not
+    # chosen is re-measured now and then (engine/spec/cost_policy.py). Off: only the thresholds
+    # above decide.
+    cost_policy: bool = True
 
     @model_validator(mode="after")
     def _check_ngrams(self) -> SpeculativeConfig:

@@ -183,6 +183,7 @@ class LLMEngine:
     # -- the step loop ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        self.speculator.begin_step()
         sched = self.scheduler.schedule()
         for seq in sched.preempted:
             self.speculator.release(seq)
@@ -191,6 +192,7 @@ class LLMEngine:
         self.speculator.plan(sched, self.scheduler)
         if not self._step_observers:
             outputs = self._run(sched)
+            self.speculator.end_step()
             self.publish_snapshot()
             return outputs
         work = StepWork.of(sched.scheduled)  # before the step advances progress
@@ -201,6 +203,7 @@ class LLMEngine:
                 s.seq.first_scheduled_time = now
                 queue_times.append(now - s.seq.arrival_time)
         outputs = self._run(sched)
+        self.speculator.end_step()
         pm = self.page_manager
         stats = StepStats(work, time.perf_counter() - start, tuple(queue_times), pm.num_referenced_pages,
                           pm.num_free_pages, self.speculator.step_stats)

@@ -12,7 +12,10 @@
 a recomputation after preemption, or a prefill worker's held request), only in steps of at most
 `max_batch_seqs` sequences and then within what is left of the step's token budget and under
 `max_batch_tokens` (a bigger step is compute-bound: verification would cost more than it saves;
-engine/spec/batch_policy.py), only where free pages allow (speculation never
+engine/spec/batch_policy.py), only for methods that pay at the step's size as measured
+(`cost_policy`, engine/spec/cost_policy.py: the engine brackets each step with `begin_step` /
+`end_step` so its time is known; a seeded request is exempt, as its random draws depend on
+whether it proposed and a timing-driven choice would make it unrepeatable), only where free pages allow (speculation never
 preempts), and never more tokens than the request may still emit. A request's method and k come
 from its SamplingParams, else the engine's SpeculativeConfig, and k adapts to its acceptance
 (engine/spec/adaptive.py).
@@ -20,6 +23,8 @@ from its SamplingParams, else the engine's SpeculativeConfig, and k adapts to it
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +34,7 @@ from configs.engine import SpeculativeConfig
 from engine.sampler import sample
 from engine.spec.adaptive import SpecState
 from engine.spec.batch_policy import proposal_budget
+from engine.spec.cost_policy import CostPolicy
 from engine.spec.prompt_lookup import PromptLookupProposer
 from engine.spec.proposer import BaseProposer
 from engine.spec.rejection import rejection_sample, target_probs, verify_greedy
@@ -73,11 +79,29 @@ def build_proposers(config: SpeculativeConfig) -> dict[str, BaseProposer]:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposers: dict[str, BaseProposer] | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposers: dict[str, BaseProposer] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self.proposers = build_proposers(config) if proposers is None else proposers
         self.step_stats = SpecStepStats()  # of the latest step
         self.totals: dict[str, SpecCounts] = {}  # lifetime, by method
+        self.cost = CostPolicy() if config.cost_policy else None
+        self.clock = clock  # seconds; a test injects its own
+        self._step: _StepRecord | None = None  # the current step, while the cost policy measures it
+
+    # -- the step's time (cost policy) ----------------------------------------------------------
+    def begin_step(self) -> None:
+        """The engine's step starts (before scheduling)."""
+        self._step = _StepRecord(self.clock()) if self.cost is not None else None
+
+    def end_step(self) -> None:
+        """The engine's step is done (tokens appended): a step of decodes alone is measured."""
+        step, self._step = self._step, None
+        if self.cost is None or step is None or not step.num_seqs or not step.all_decodes:
+            return
+        verified = set(self.step_stats.by_method)
+        if step.methods <= verified:  # a proposer that ran and proposed nothing: neither side's step
+            self.cost.record(verified, step.num_seqs, step.num_tokens, self.clock() - step.start)
 
     # -- before the step ----------------------------------------------------------------------
     def state_of(self, seq: Sequence) -> SpecState | None:
@@ -94,18 +118,27 @@ class Speculator:
     def plan(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
         """Adds proposals to the step's decodes in place (out.scheduled entries are replaced)."""
         self.step_stats = SpecStepStats()  # this step's, filled by `sample`
+        step = self._step
+        if step is not None:
+            step.num_seqs = len(out.scheduled)
+            step.all_decodes = not out.preempted and all(_is_decode(s) for s in out.scheduled)
         if out.preempted:  # pages are short: no speculative work this step
             return
         budget = proposal_budget(self.config, len(out.scheduled), out.num_tokens, scheduler.max_num_batched_tokens)
         if budget <= 0:  # a big step: no proposer runs (engine/spec/batch_policy.py)
             return
         wanted: dict[str, list[tuple[int, int]]] = {}  # method -> [(index in out.scheduled, k)]
+        paying: dict[str, bool] = {}  # method -> whether it proposes in this step (the cost policy's call)
         for index, s in enumerate(out.scheduled):
             if budget <= 0:
                 break
             seq = s.seq
             if not _is_decode(s) or (state := self.state_of(seq)) is None:
                 continue
+            if state.method not in paying:
+                paying[state.method] = self.cost is None or self.cost.should_propose(state.method, len(out.scheduled))
+            if not paying[state.method] and seq.params.seed is None:
+                continue  # (a seeded request's draws follow its proposals: it must repeat whatever the clock says)
             room = min(seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens),
                        seq.max_total_tokens - seq.num_tokens)
             k = min(state.next_k(), room - 1, budget)  # the step emits up to k + 1 tokens
@@ -116,6 +149,8 @@ class Speculator:
                 budget -= k
         for method, items in wanted.items():
             proposer = self.proposers[method]
+            if step is not None:
+                step.methods.add(method)
             proposals = proposer.propose([out.scheduled[i].seq for i, _ in items], [k for _, k in items])
             for (index, _), proposal in zip(items, proposals):
                 s = out.scheduled[index]
@@ -132,6 +167,8 @@ class Speculator:
         """logits: [rows, vocab], 1 + len(draft) rows per sampled sequence, in order; hidden:
         [rows, hidden] the final-norm hidden states they came from, for proposers that read them."""
         if all(s.draft is None for s in sampled):  # the plain path: one row each
+            if self._step is not None:
+                self._step.num_tokens = len(sampled)
             tokens, logprobs = sample(logits, [s.seq.params for s in sampled], [s.seq.generator for s in sampled])
             plain_results = [Sampled([t], [lp], 0) for t, lp in zip(tokens, logprobs)]
             if hidden is not None:
@@ -153,6 +190,8 @@ class Speculator:
             if s.draft is not None:
                 results[i] = self._verify(s, logits[starts[i] : starts[i] + 1 + s.num_draft_tokens])
         done = [r for r in results if r is not None]
+        if self._step is not None:
+            self._step.num_tokens = sum(len(r.token_ids) for r in done)
         if hidden is not None:
             self._keep_hidden(hidden, sampled, starts, done)
         return done
@@ -200,6 +239,17 @@ class Speculator:
         """The sequence left the engine or was preempted: its proposer forgets it."""
         if seq.spec is not None:
             self.proposers[seq.spec.method].release(seq)
+
+
+@dataclass
+class _StepRecord:
+    """What the cost policy learns about one step."""
+
+    start: float  # the clock when the step began
+    num_seqs: int = 0  # sequences scheduled (0: nothing ran)
+    all_decodes: bool = False  # every one an ordinary decode (no prompt chunk, no preemption)
+    methods: set[str] = field(default_factory=set)  # whose proposers ran (step_stats: whose proposals were verified)
+    num_tokens: int = 0  # emitted (verified tokens included)
 
 
 def _is_decode(s: ScheduledSeq) -> bool:

@@ -32,8 +32,11 @@ def prompts_of(n: int, length: int = 30, seed: int = 0) -> dict[str, list[int]]:
 
 
 def make_engine(model_dir, speculative=None, **config) -> LLMEngine:
+    """The cost policy is off (unless `speculative` sets it): it decides by the wall clock, and these
+    tests check the mechanism at chosen batch sizes (tests/unit/test_spec_cost_policy.py: the policy)."""
     config.setdefault("page_size", 8)
-    return LLMEngine(EngineConfig(model=str(model_dir), speculative=speculative or {"method": "none"}, **config))
+    speculative = {"cost_policy": False} | (speculative or {"method": "none"})
+    return LLMEngine(EngineConfig(model=str(model_dir), speculative=speculative, **config))
 
 
 def run(engine: LLMEngine, arrivals: dict[int, dict[str, list[int]]], params: SamplingParams,
@@ -338,3 +341,16 @@ def test_bf16_speculation_equals_plain_bf16(tiny_dir):
     spec = run(make_engine(tiny_dir, LOOKUP, dtype="bfloat16"), {0: dict(prompts)}, GREEDY)
     proposed, accepted = check_same(plain, spec)
     assert proposed > 0 and accepted < proposed
+
+
+def test_with_the_cost_policy_greedy_output_is_unchanged_and_steps_are_measured(loopy_dir):
+    """Whatever the wall clock makes the policy choose, greedy tokens are plain decoding's."""
+    prompts = prompts_of(3, 25, seed=23)
+    plain = run(make_engine(loopy_dir), {0: dict(prompts)}, GREEDY)
+    engine = make_engine(loopy_dir, LOOKUP | {"cost_policy": True})
+    check_same(plain, run(engine, {0: dict(prompts)}, GREEDY))
+    cost = engine.speculator.cost
+    assert cost is not None
+    measured = sum(s.on.num_samples for s in cost.methods.values()) + sum(e.num_samples for e in cost.off.values())
+    assert measured > 0 and all(key[0] == "prompt_lookup" for key in cost.methods)
+    assert_no_page_leak(engine)

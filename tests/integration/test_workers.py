@@ -145,8 +145,9 @@ def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, l
     heads start on the decode worker's first step of its own): the stream is HF greedy's, token for
     token, and a draft's pages and Medusa's hidden rows are all gone at the end."""
     sampling = m.Sampling(max_tokens=40, ignore_eos=True)
-    speculative = {"method": method} | {"draft": {"draft_model": str(loopy_draft_dir)},
-                                        "medusa": {"medusa_heads": str(lm_head_heads_dir)}}.get(method, {})
+    speculative = ({"method": method, "cost_policy": False}  # (the cost policy decides by the wall clock)
+                   | {"draft": {"draft_model": str(loopy_draft_dir)},
+                      "medusa": {"medusa_heads": str(lm_head_heads_dir)}}.get(method, {}))
     router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative, sampling=sampling)
     prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
     for rid, prompt in prompts.items():
