@@ -32,8 +32,12 @@ class SpecState:
     def __post_init__(self) -> None:
         self.k = self.max_k
 
-    def next_k(self) -> int:
-        """Tokens to propose this step (0: not this step); counts down a pause."""
+    def next_k(self, alone_and_free: bool = False) -> int:
+        """Tokens to propose this step (0: not this step); counts down a pause. `alone_and_free`:
+        the sequence is the step's only one and its proposer's guesses cost nothing to make: the
+        maximum, whatever the pause (which keeps counting only in shared steps)."""
+        if alone_and_free:
+            return self.max_k
         if self.pause_steps > 0:
             self.pause_steps -= 1
             return 0

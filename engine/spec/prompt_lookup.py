@@ -43,6 +43,7 @@ def find_continuation(token_ids: Seq[int] | np.ndarray, k: int, ngram_min: int, 
 
 class PromptLookupProposer(BaseProposer):
     method = "prompt_lookup"
+    free_proposals = True  # a few numpy comparisons, whatever k
 
     def __init__(self, ngram_min: int, ngram_max: int) -> None:
         if not 1 <= ngram_min <= ngram_max:

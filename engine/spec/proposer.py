@@ -59,6 +59,9 @@ class BaseProposer(ABC):
     method: str  # the name in configs (SpeculativeConfig.method) and in metric labels
     max_num_tokens: int | None = None  # the longest proposal it can make (None: no limit of its own)
     reads_hidden = False  # whether it wants `keep_hidden` (the target's hidden states)
+    # Whether a proposal costs next to nothing to make, however long (no model runs for it): a
+    # sequence alone in its step then always proposes its maximum k (engine/spec/adaptive.py).
+    free_proposals = False
 
     @abstractmethod
     def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:

@@ -141,8 +141,10 @@ class Speculator:
                 continue  # (a seeded request's draws follow its proposals: it must repeat whatever the clock says)
             room = min(seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens),
                        seq.max_total_tokens - seq.num_tokens)
-            k = min(state.next_k(), room - 1, budget)  # the step emits up to k + 1 tokens
-            cap = self.proposers[state.method].max_num_tokens
+            proposer = self.proposers[state.method]
+            alone_and_free = len(out.scheduled) == 1 and proposer.free_proposals
+            k = min(state.next_k(alone_and_free), room - 1, budget)  # the step emits up to k + 1 tokens
+            cap = proposer.max_num_tokens
             k = k if cap is None else min(k, cap)
             if k > 0:
                 wanted.setdefault(state.method, []).append((index, k))

@@ -107,3 +107,49 @@ def test_sampling_params_speculative_fields():
     for bad in (-1, 17, True, 2.0):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             SamplingParams(num_speculative_tokens=bad)
+
+
+def test_alone_with_free_proposals_the_maximum_k_whatever_the_pause():
+    state = SpecState("prompt_lookup", max_k=4)
+    state.record(4, 0)  # a total miss: k = 1 and a pause of one step, in shared steps
+    assert state.next_k(alone_and_free=True) == 4  # alone: rows are nearly free, no pause
+    assert state.pause_steps == 1  # the pause is kept for the next shared step
+    assert state.next_k() == 0 and state.next_k() == 1
+    assert PromptLookupProposer.free_proposals
+
+
+def test_a_lone_request_proposes_every_step_after_misses():
+    """Speculator.plan asks for the maximum k for the step's only sequence when its proposer's
+    guesses are free (prompt lookup), though its acceptance would pause it in a shared step."""
+    from configs.engine import SpeculativeConfig
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.sequence import Sequence
+    from engine.spec.speculator import Speculator
+
+    class Recorder(PromptLookupProposer):
+        def __init__(self):
+            super().__init__(1, 3)
+            self.asked: list[list[int]] = []
+
+        def propose(self, seqs, max_num_tokens):
+            self.asked.append(list(max_num_tokens))
+            return super().propose(seqs, max_num_tokens)
+
+    class Pages:
+        max_num_batched_tokens = 512
+
+        def allocate_drafts(self, seq, n):
+            return True
+
+    recorder = Recorder()
+    spec = Speculator(SpeculativeConfig(method="prompt_lookup", num_tokens=4, cost_policy=False),
+                      {"prompt_lookup": recorder})
+    seq = Sequence("a", [1, 2, 3, 1, 2], SamplingParams(max_tokens=32), 0, 1024)
+    seq.token_ids.append(3)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.spec = spec.state_of(seq)
+    assert seq.spec is not None
+    seq.spec.record(4, 0)  # paused, were it sharing its step
+    spec.plan(SchedulerOutput([ScheduledSeq(seq, 1)]), Pages())  # type: ignore[arg-type]
+    assert recorder.asked == [[4]]
