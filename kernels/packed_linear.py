@@ -58,6 +58,17 @@ def apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> t
 # 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5).
 GEMV_MAX_ROWS = {32: 1, 64: 8}  # block_n -> rows, without AMX tiles
 AMX_GEMM_ROWS = 32  # rows of the 32 x 32 layout multiplied on AMX tiles
+# Past 32 rows (prefill chunks), the same AMX kernel takes weights with no more outputs than
+# inputs (builtin:small's o and down projections) up to AMX_PREFILL_ROWS rows. oneDNN ran the
+# 768 x 2,048 down projection at 0.74-0.95 TFLOP/s from 64 to 1,280 rows (1.70 ms at 512 rows,
+# 3.60 at 1,024) where the tile kernel runs 1.19-1.73 (0.96 and 1.87 ms), and the 768 x 768 o
+# projection at ~0.95 at 512 and 1,024 rows against 1.49-1.56 (oneDNN was faster at 1,280
+# rows: 2.07 against 1.57; the two layers together still 5.0 against 3.3 ms). From 1,536 rows
+# oneDNN is as fast or faster; wider weights (qkv, gate_up) stay with oneDNN, which runs them
+# at 1.0-2.2 TFLOP/s. The results differ only in the order fp32 partial sums are added. 2 Sapphire
+# Rapids-class cores, torch 2.13's oneDNN: `python benchmarks/gemm_shapes.py --rows
+# 64,256,512,1024,1280,1536,2048 --dtypes bfloat16 --by-shape` (the `packed` and `engine` columns).
+AMX_PREFILL_ROWS = 1280
 PROBE_ROWS = 3  # the layout probe multiplies a few rows whatever the threshold
 
 
@@ -71,7 +82,8 @@ class PackedGemv:
                  block_k: int = 32) -> None:
         self.packed, self.blocked, self.out_features = packed, blocked, out_features
         self.block_n, self.block_k = block_n, block_k
-        self.max_rows = max_rows(block_n, block_k)  # engine/model/layers.py `linear` asks it for no more
+        # engine/model/layers.py `linear` asks it for no more
+        self.max_rows = max_rows(block_n, block_k, out_features, blocked.numel() // out_features)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from kernels import cpu_ops
@@ -79,12 +91,13 @@ class PackedGemv:
         return cpu_ops.packed_gemv(x, self.blocked, self.out_features, bias, self.block_n, self.block_k)
 
 
-def max_rows(block_n: int, block_k: int) -> int:
-    """The most activation rows the packed kernel takes over oneDNN for this layout here."""
+def max_rows(block_n: int, block_k: int, out_features: int = 0, in_features: int = 0) -> int:
+    """The most activation rows the packed kernel takes over oneDNN for this layout (and, on AMX
+    tiles, this weight shape: `AMX_PREFILL_ROWS`) here."""
     from kernels import cpu_ops
 
     if (block_n, block_k) == (32, 32) and cpu_ops.packed_gemv_amx_supported():
-        return AMX_GEMM_ROWS
+        return AMX_PREFILL_ROWS if 0 < out_features <= in_features else AMX_GEMM_ROWS
     return GEMV_MAX_ROWS[block_n]
 
 

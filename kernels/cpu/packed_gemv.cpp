@@ -1,6 +1,7 @@
-// y = x W^T (+ b) for a few bf16 activation rows, reading the weight in the blocked layout oneDNN
-// packed it into at load (kernels/packed_linear.py), so decode steps of 1-4 sequences stream
-// the weights at memory speed without a second, plain copy of them.
+// y = x W^T (+ b) for bf16 activation rows (decode steps; on AMX, prefill chunks as well),
+// reading the weight in the blocked layout oneDNN packed it into at load (kernels/packed_linear.py),
+// so decode steps of 1-4 sequences stream the weights at memory speed without a second, plain
+// copy of them.
 //
 // Why: oneDNN's own kernel for such skinny products moved 21-24 GB/s of packed weights on a
 // 2-core Sapphire Rapids where a streaming read gets ~28 GB/s and this loop gets 28-33; at batch
@@ -15,7 +16,8 @@
 // against F.linear) before this kernel is used; other layouts keep oneDNN.
 // Needs AVX512-BF16; elsewhere `packed_gemv_supported()` is false.
 //
-// On AMX CPUs (32 x 32 tiles), 2 to kAmxMaxRows rows go to tile products instead: each 32 x 32
+// On AMX CPUs (32 x 32 tiles), any number of rows can go to tile products instead (run_amx; how
+// many do is kernels/packed_linear.py max_rows): each 32 x 32
 // weight tile is two AMX B tiles as it lies (16 input pairs x 16 outputs, rows 128 bytes
 // apart), x is the A tile as it lies (up to 16 rows x 32 inputs, two A tiles past 16 rows), so
 // nothing is repacked. Why: oneDNN's AMX kernel moved 15-21 GB/s of packed weights at 2-32
@@ -44,7 +46,6 @@
 namespace {
 
 constexpr int kMaxRows = 8;
-constexpr int kAmxMaxRows = 32;  // two A tiles of 16 rows
 constexpr int64_t kPrefetchTiles = 8;  // weight tiles (2 KiB each) requested ahead on AMX
 
 // Runs f(begin, end) over output blocks [0, blocks) on every thread, each thread pulling `grain`
@@ -105,54 +106,83 @@ void run(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t k
 #endif
 
 #if PDSERVE_AMX
-// y [m, n] fp32 = x [m <= 32, k] W^T over AMX-layout 32 x 32 tiles. Tiles: 0-1 C of rows
-// 0-15 (outputs 0-15, 16-31 of the block), 2-3 C of rows 16-31, 4-5 A of those row groups,
-// 6-7 B (the weight tile's two halves).
+// Rows of x whose products take each weight block in turn while it is in L2: a 32-output block
+// is K x 64 bytes (128 KiB at K = 2,048), read from memory once per chunk, not per 32 rows.
+constexpr int64_t kAmxChunkRows = 128;
+constexpr int64_t kAmxGrain = 4;  // output blocks per pull: a run of W streamed front to back
+
+// One 32-row block of x (`rows` <= 32, as the tiles are configured) by output block `tile`
+// (its K / 32 weight tiles, one after another) into c [rows][32] fp32. Tiles: 0-1 C of rows
+// 0-15 (outputs 0-15, 16-31), 2-3 C of rows 16-31, 4-5 A of those row groups, 6-7 B (the
+// weight tile's two halves).
+inline void amx_block(const uint16_t* tile, const uint16_t* x, int64_t ldx, int rows, int64_t k, float (*c)[32]) {
+  const int64_t x_stride = ldx * sizeof(uint16_t);
+  const bool two = rows > 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < k; kb += 32, tile += 32 * 32) {
+    // The weight tile kPrefetchTiles ahead, line by line (the stream crosses output blocks).
+    for (int line = 0; line < 32; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchTiles * 32 * 32 + line * 32), _MM_HINT_T0);
+    _tile_loadd(6, tile, 128);
+    _tile_loadd(7, tile + 32, 128);
+    _tile_loadd(4, x + kb, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x + 16 * ldx + kb, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 32 * sizeof(float));
+  _tile_stored(1, c[0] + 16, 32 * sizeof(float));
+  if (two) {
+    _tile_stored(2, c[16], 32 * sizeof(float));
+    _tile_stored(3, c[16] + 16, 32 * sizeof(float));
+  }
+}
+
+// y [m, n] = x [m, k] W^T (+ bias) over AMX-layout 32 x 32 weight tiles, for any m: each weight
+// tile is two AMX B tiles as it lies (16 input pairs x 16 outputs, rows 128 bytes apart), x is
+// the A tile as it lies (16 rows x 32 inputs), so nothing is repacked. A pull is a chunk of
+// kAmxChunkRows rows by kAmxGrain output blocks; at m <= 32 (decode) that is a run of W.
+// Why past 32 rows (prefill chunks): oneDNN's own kernel for the same packed weight ran the
+// 768-output layers of builtin:small at ~1.1 TFLOP/s at 512 rows and ~1.0 at 1,024 (2 Sapphire
+// Rapids-class cores), against ~2 for the other shapes; see benchmarks/gemm_shapes.py.
 void run_amx(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float* bias,
              uint16_t* y) {
-  const int m0 = static_cast<int>(std::min<int64_t>(m, 16)), m1 = static_cast<int>(m - m0);
-  const uint8_t rows[8] = {static_cast<uint8_t>(m0), static_cast<uint8_t>(m0), static_cast<uint8_t>(m1),
-                           static_cast<uint8_t>(m1), static_cast<uint8_t>(m0), static_cast<uint8_t>(m1), 16, 16};
-  const int64_t x_stride = ldx * sizeof(uint16_t);
-  // Tiles configured per pull of 4 blocks (LDTILECFG is cheap next to 4 x K/32 tile products).
-  for_blocks(n / 32, 4, [&](int64_t begin, int64_t end) {
-    pdserve::configure_amx_tiles(rows);
+  const int64_t col_blocks = n / 32;
+  const int64_t runs = (col_blocks + kAmxGrain - 1) / kAmxGrain;
+  const int64_t chunks = (m + kAmxChunkRows - 1) / kAmxChunkRows;
+  for_blocks(chunks * runs, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[32][32];  // one block's fp32 products, rows x outputs, before rounding
-    for (int64_t ob = begin; ob < end; ++ob) {
-      const uint16_t* tile = w + ob * k * 32;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (m1) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t kb = 0; kb < k; kb += 32, tile += 32 * 32) {
-        // The weight tile kPrefetchTiles ahead, line by line (the stream crosses output blocks).
-        for (int line = 0; line < 32; ++line)
-          _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchTiles * 32 * 32 + line * 32), _MM_HINT_T0);
-        _tile_loadd(6, tile, 128);
-        _tile_loadd(7, tile + 32, 128);
-        _tile_loadd(4, x + kb, x_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (m1) {
-          _tile_loadd(5, x + 16 * ldx + kb, x_stride);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+    int configured = 0;           // rows the tiles are configured for (LDTILECFG only on a change)
+    for (int64_t pull = begin; pull < end; ++pull) {
+      const int64_t r_end = std::min(m, (pull / runs + 1) * kAmxChunkRows);
+      const int64_t ob0 = (pull % runs) * kAmxGrain, ob1 = std::min(col_blocks, ob0 + kAmxGrain);
+      for (int64_t r0 = (pull / runs) * kAmxChunkRows; r0 < r_end; r0 += 32) {
+        const int rows = static_cast<int>(std::min<int64_t>(32, r_end - r0));
+        if (rows != configured) {
+          const auto m0 = static_cast<uint8_t>(std::min(rows, 16)), m1 = static_cast<uint8_t>(rows - m0);
+          const uint8_t tile_rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
+          pdserve::configure_amx_tiles(tile_rows);
+          configured = rows;
+        }
+        for (int64_t ob = ob0; ob < ob1; ++ob) {
+          amx_block(w + ob * k * 32, x + r0 * ldx, ldx, rows, k, c);
+          for (int64_t r = 0; r < rows; ++r) {
+            store_outputs(_mm512_load_ps(c[r]), bias, ob * 32, y + (r0 + r) * n);
+            store_outputs(_mm512_load_ps(c[r] + 16), bias, ob * 32 + 16, y + (r0 + r) * n);
+          }
         }
       }
-      _tile_stored(0, c[0], 32 * sizeof(float));
-      _tile_stored(1, c[0] + 16, 32 * sizeof(float));
-      if (m1) {
-        _tile_stored(2, c[16], 32 * sizeof(float));
-        _tile_stored(3, c[16] + 16, 32 * sizeof(float));
-      }
-      for (int64_t r = 0; r < m; ++r) {
-        store_outputs(_mm512_load_ps(c[r]), bias, ob * 32, y + r * n);
-        store_outputs(_mm512_load_ps(c[r] + 16), bias, ob * 32 + 16, y + r * n);
-      }
     }
-    _tile_release();
+    if (configured) _tile_release();
   });
 }
 #endif
@@ -182,8 +212,8 @@ at::Tensor packed_gemv(at::Tensor x, at::Tensor blocked, int64_t n, c10::optiona
               "packed_gemv takes bf16 x [M, K] and a bf16 blocked weight");
   const int64_t m = x.size(0), k = x.size(1);
   const bool amx = block_n == 32 && block_k == 32 && packed_gemv_amx_supported();
-  const int64_t max_rows = packed_gemv_amx_supported() && block_n == 32 && block_k == 32 ? kAmxMaxRows : kMaxRows;
-  TORCH_CHECK(m >= 1 && m <= max_rows, "packed_gemv serves 1 to ", max_rows, " rows here, got ", m);
+  TORCH_CHECK(m >= 1 && (amx || m <= kMaxRows), "packed_gemv serves 1 to ", kMaxRows,
+              " rows here without AMX, got ", m);
   TORCH_CHECK(block_n == 32 || block_n == 64, "packed_gemv reads blocks of 32 or 64 outputs, got ", block_n);
   TORCH_CHECK(block_k > 0 && block_k % 2 == 0 && k % block_k == 0, "block_k must be even and divide K");
   TORCH_CHECK(n % block_n == 0 && blocked.numel() == n * k && blocked.is_contiguous(),

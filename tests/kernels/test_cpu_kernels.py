@@ -297,16 +297,24 @@ def test_packed_gemv_reads_onednns_layout_in_place(shape):
     gen = torch.Generator().manual_seed(shape[0])
     weight = torch.randn(shape, generator=gen).to(torch.bfloat16)
     _, gemv = _gemv_or_skip(weight)
-    # Every row count up to 8; on AMX tiles up to 32 as well: one A tile (<= 16 rows) or two.
-    for rows in sorted({*range(1, 9), 15, 16, 17, 31, gemv.max_rows}):
+    from kernels import packed_linear
+
+    # Every row count up to 8; on AMX tiles up to 32 as well: one A tile (<= 16 rows) or two;
+    # and for weights it takes prefill rows of (no more outputs than inputs), 32-row blocks
+    # with a ragged last one, across 128-row chunks.
+    prefill = (33, 100, 129, 300) if gemv.max_rows > packed_linear.AMX_GEMM_ROWS else ()
+    for rows in sorted({*range(1, 9), 15, 16, 17, 31, gemv.max_rows, *prefill}):
         x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
         for bias in (None, torch.randn(shape[0], generator=gen).to(torch.bfloat16)):
             want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
             got = gemv(x, bias)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
-    with pytest.raises(RuntimeError, match=f"serves 1 to {gemv.max_rows} rows"):
-        gemv(torch.zeros(gemv.max_rows + 1, shape[1], dtype=torch.bfloat16), None)
+    if gemv.max_rows < packed_linear.AMX_GEMM_ROWS:  # the vector kernel: a fixed most rows
+        with pytest.raises(RuntimeError, match="serves 1 to 8 rows here without AMX"):
+            gemv(torch.zeros(9, shape[1], dtype=torch.bfloat16), None)
+    else:
+        assert gemv.max_rows == (packed_linear.AMX_PREFILL_ROWS if shape[0] <= shape[1] else 32)
 
 
 def test_packed_gemv_is_refused_where_it_would_be_wrong():
@@ -333,7 +341,8 @@ def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
     plain = layer.weight.data.clone()
     assert pack_weight(layer) and layer.gemv is not None
     real = layer.gemv
-    assert real.max_rows == packed_linear.max_rows(real.block_n, real.block_k) in (1, 8, packed_linear.AMX_GEMM_ROWS)
+    assert real.max_rows == packed_linear.max_rows(real.block_n, real.block_k, 128, 64) in (
+        1, 8, packed_linear.AMX_GEMM_ROWS)
     calls = []
 
     class Spy:
@@ -351,6 +360,39 @@ def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
         torch.testing.assert_close(layer(x).float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     assert calls == [r for r in row_counts if r <= real.max_rows]
     assert linear(torch.randn(1, 64).to(torch.bfloat16), layer.weight, None, None, None).shape == (1, 128)
+
+
+def test_prefill_rows_of_a_narrow_weight_take_the_amx_kernel_up_to_its_limit():
+    """On AMX tiles, a weight with no more outputs than inputs (o, down) is multiplied by the
+    tile kernel up to AMX_PREFILL_ROWS rows, oneDNN's result up to the order of fp32 partial sums;
+    oneDNN past that."""
+    from engine.model.layers import ColumnParallelLinear, ParallelContext, pack_weight
+    from kernels import cpu_ops, packed_linear
+
+    layer = ColumnParallelLinear(128, [64], False, ParallelContext()).to(torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(64, 128, generator=torch.Generator().manual_seed(6)))
+    _gemv_or_skip(layer.weight.data)
+    assert pack_weight(layer) and layer.gemv is not None
+    if not cpu_ops.packed_gemv_amx_supported():
+        pytest.skip("no AMX tiles here: prefill rows stay with oneDNN")
+    real = layer.gemv
+    assert real.max_rows == packed_linear.AMX_PREFILL_ROWS
+    calls = []
+
+    class Spy:
+        max_rows = real.max_rows
+
+        def __call__(self, x, bias):
+            calls.append(x.shape[0])
+            return real(x, bias)
+
+    layer.gemv = Spy()
+    gen = torch.Generator().manual_seed(7)
+    for rows in (33, 517, real.max_rows, real.max_rows + 1):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        want = packed_linear.apply(x, layer.weight, None).float()
+        torch.testing.assert_close(layer(x).float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    assert calls == [33, 517, real.max_rows]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
