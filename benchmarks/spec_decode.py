@@ -244,6 +244,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="the draft scores only the first N token ids (speculative.draft_vocab_size)")
+    parser.add_argument("--fallback-ngram-min", type=int, default=None,
+                        help="prompt_lookup+draft: prompt lookup's shortest match that proposes (default: the "
+                        "engine's speculative.fallback_ngram_min)")
     parser.add_argument("--batch-size", type=int, default=32, help="saturation check: sequences at once (0: skip)")
     parser.add_argument("--max-batch-seqs", type=int, default=None,
                         help="speculative.max_batch_seqs for the saturation run (default: the engine's; 0: no limit)")
@@ -270,6 +275,10 @@ def main() -> None:
                              "draft_model": draft, "medusa_heads": args.medusa_heads}
         if args.max_batch_seqs is not None:
             speculative["max_batch_seqs"] = args.max_batch_seqs
+        if args.fallback_ngram_min is not None:
+            speculative["fallback_ngram_min"] = args.fallback_ngram_min
+        if args.draft_vocab_size is not None:
+            speculative["draft_vocab_size"] = args.draft_vocab_size
         engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative | {"cost_policy": False},
                                         enable_prefix_caching=False))
         scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"

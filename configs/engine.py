@@ -31,15 +31,21 @@ class SpeculativeConfig(BaseModel):
     ngram_min: int = Field(1, ge=1, le=64)
     ngram_max: int = Field(3, ge=1, le=64)
     # prompt_lookup+draft: prompt lookup proposes where its match is at least this many tokens
-    # long; a shorter match (a single repeated token is often a coincidence) or none hands the
-    # step to the draft, whose guesses cost draft steps but are right more often.
-    fallback_ngram_min: int = Field(2, ge=1, le=64)
+    # long (and ngram_min); a shorter match or none hands the step to the draft, whose guesses
+    # cost draft steps but are right more often. 1: the draft only where nothing matched.
+    fallback_ngram_min: int = Field(1, ge=1, le=64)
     # draft: a smaller model with the target's tokenizer (same vocabulary) proposes k tokens
     # greedily, run by this engine with its own paged KV cache (engine/spec/draft_proposer.py):
     # a local Hugging Face directory or a built-in name. Set, requests may ask for "draft" (and
     # "prompt_lookup+draft": prompt lookup's free guesses where it finds a match, the draft's
     # where it finds none) even when `method` is another.
     draft_model: str | None = Field(None, min_length=1)
+    # The draft scores only the first N token ids (None: all). A BPE tokenizer numbers tokens in
+    # merge order, frequent first (builtin:code-small's first 2048 ids are 85% of held-out code's
+    # tokens), and the vocabulary projection is a quarter of a small draft's step; its guesses are
+    # then always among those ids. Output stays exact either way (verification decides; a sampled
+    # guess's distribution is the restricted one); only acceptance can change.
+    draft_vocab_size: int | None = Field(None, ge=1)
     # medusa: heads on the target's last hidden state, head i guessing the token i + 2 positions
     # past it (engine/spec/medusa_proposer.py): a directory in the published Medusa layout
     # (config.json + medusa_lm_head.safetensors / .pt, or a model.safetensors with `medusa_head.`

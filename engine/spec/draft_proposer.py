@@ -90,7 +90,8 @@ class DraftModelProposer(BaseProposer):
         # further guess over the twins still guessing, each batch derived from the last one.
         if step:
             runner = self.draft.runner
-            logits, sampled = runner.execute(step)
+            hidden, sampled = runner.execute_hidden(step)
+            logits = self.draft.logits(hidden)
             for s in step:
                 s.seq.num_computed_tokens += s.num_new_tokens
             live = [s.seq for s in sampled]
@@ -106,7 +107,7 @@ class DraftModelProposer(BaseProposer):
                     fed = torch.tensor([seq.token_ids[-1] for seq in live_next])
                     keep = None if len(rows) == len(live) else torch.tensor(rows)
                     batch = next_decode_batch(batch, fed, keep, self.page_size)
-                logits = runner.logits(runner.executor.run(batch))
+                logits = self.draft.logits(runner.executor.run(batch))
                 live = live_next
                 for seq in live:
                     seq.num_computed_tokens += 1
