@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from configs import EngineConfig
 from engine import SamplingParams
 from engine.spec.fallback_proposer import FallbackProposer
-from tests.helpers import assert_no_page_leak, hf_greedy
+from tests.helpers import assert_no_page_leak, hf_greedy, prefill_and_ship
 from tests.integration.test_draft_spec import assert_draft_pages_free, assert_twins_rolled_back
 from tests.integration.test_spec_decode import GREEDY, check_same, make_engine, prompts_of, run
 
@@ -118,3 +118,24 @@ def test_requests_choose_it_where_a_draft_is_loaded(loopy_dir, loopy_draft_dir):
 def test_the_method_needs_a_draft_model():
     with pytest.raises(ValidationError, match="method 'prompt_lookup\\+draft' needs speculative.draft_model"):
         EngineConfig(speculative={"method": HYBRID})
+
+
+def test_on_a_decode_worker_the_prompt_kv_arrives_and_the_draft_recomputes_its_own(loopy_dir, loopy_draft_dir):
+    prompts = prompts_of(3, 40, seed=85)
+    plain = run(make_engine(loopy_dir), {0: dict(prompts)}, GREEDY)
+    prefill = make_engine(loopy_dir)
+    decode = make_engine(loopy_dir, hybrid_config(loopy_draft_dir))
+    outs: dict = {}
+    for rid, ids in prompts.items():
+        first = prefill_and_ship(prefill, decode, rid, ids)
+        assert decode.add_prefilled_request(rid, ids, first, GREEDY) is None
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outs[out.request_id] = out
+        assert_twins_rolled_back(decode)
+    for rid in prompts:
+        assert outs[rid].token_ids == plain[rid].token_ids, rid
+    assert sum(o.num_spec_accepted for o in outs.values()) > 0
+    assert_no_page_leak(decode)
+    assert_draft_pages_free(decode)
