@@ -15,13 +15,13 @@ prompt costs the same prefill whichever method runs it.
 
 1. Concurrency 1: each prompt alone, once per method (the order alternating from prompt to
    prompt), on one engine whose requests choose the method (SamplingParams.speculative_method),
-   so every method runs on the same weights and threads (`draft` too, with --draft-model or
-   --draft-layers; `medusa` with --medusa-heads). The cost policy (speculative.cost_policy) is off
+   so every method runs on the same weights and threads (`draft` and `prompt_lookup+draft` too,
+   with --draft-model or --draft-layers; `medusa` with --medusa-heads). The cost policy (speculative.cost_policy) is off
    here, so each method runs as it is, losing or not. Prints per-method decode tokens/s
    (first token to last: prefill excluded; p50/p90 over prompts and the aggregate), the ratio to
    `none`, the acceptance rate and the mean accepted length (tokens emitted per verifying step,
-   the target's own included), and whether every method's tokens equal `none`'s (greedy
-   speculation is exact).
+   the target's own included; a fallback method's also by the part that proposed), and whether
+   every method's tokens equal `none`'s (greedy speculation is exact).
 2. Saturation: --batch-size prompts at once (continuous batching), speculation on (the engine's
    adaptive default, with its max_batch_tokens, max_batch_seqs and cost policy, unless
    --no-cost-policy; --saturation-method) vs off, --repeats times alternately; prints the best
@@ -58,7 +58,7 @@ from engine import LLMEngine, SamplingParams
 from engine.model.loader import resolve_model_path
 from engine.model.train_corpus import split_corpus
 
-METHODS = ("none", "prompt_lookup")  # and "draft" / "medusa" when the run has a draft model / heads
+METHODS = ("none", "prompt_lookup")  # and "draft", "prompt_lookup+draft" / "medusa" with a draft model / heads
 
 
 def scaled_copy(model: str, scale: float, out_dir: Path) -> str:
@@ -141,11 +141,20 @@ def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
     rates: dict[str, list[float]] = {m: [] for m in methods}
     decode_s = {m: 0.0 for m in methods}
     tokens: dict[str, list[list[int]]] = {m: [] for m in methods}
-    before = {m: (c.num_proposed, c.num_accepted, c.num_verified) for m, c in engine.speculator.totals.items()}
+    # method -> proposing method -> [proposed, accepted, verified] over that method's runs (a
+    # fallback method's parts are counted apart: engine.speculator.totals is by who proposed).
+    counts: dict[str, dict[str, list[int]]] = {m: {} for m in methods}
     for i, prompt in enumerate(prompts):
         for method in methods if i % 2 == 0 else reversed(methods):
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative_method=method)
+            before = _totals(engine)
             _, seconds, [out] = generate(engine, [prompt], params)
+            for label, now in _totals(engine).items():
+                if now == (then := before.get(label, (0, 0, 0))):
+                    continue
+                mine = counts[method].setdefault(label, [0, 0, 0])
+                for j in range(3):
+                    mine[j] += now[j] - then[j]
             rates[method].append((len(out) - 1) / seconds)
             decode_s[method] += seconds
             tokens[method].append(out)
@@ -158,21 +167,28 @@ def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
         q = statistics.quantiles(rates[method], n=10) if len(rates[method]) > 1 else rates[method] * 9
         same = tokens[method] == tokens["none"]
         all_same &= same
-        line = (f"  {method:14s} {agg:8.1f} tok/s  (per prompt p50={statistics.median(rates[method]):.1f} "
+        line = (f"  {method:19s} {agg:8.1f} tok/s  (per prompt p50={statistics.median(rates[method]):.1f} "
                 f"p90={q[8]:.1f})  ratio vs none = {agg / base:.2f}")
         if method != "none":
-            total = engine.speculator.totals.get(method)
-            p0, a0, v0 = before.get(method, (0, 0, 0))
-            proposed, accepted, verified = ((total.num_proposed - p0, total.num_accepted - a0, total.num_verified - v0)
-                                            if total is not None else (0, 0, 0))
-            if verified:
-                line += (f"  acceptance rate {accepted / proposed:.2f}  mean accepted length "
-                         f"{(accepted + verified) / verified:.2f}  ({proposed} proposed in {verified} verifications)")
-            else:
-                line += "  nothing proposed"
+            proposed, accepted, verified = (sum(c[j] for c in counts[method].values()) for j in range(3))
+            line += _acceptance(proposed, accepted, verified)
             line += f"  outputs equal to none: {'yes' if same else 'NO'}"
         print(line)
+        if len(counts[method]) > 1:  # a fallback method: each part's share
+            for label, (proposed, accepted, verified) in sorted(counts[method].items()):
+                print(f"    by {label:16s}" + _acceptance(proposed, accepted, verified))
     return all_same
+
+
+def _totals(engine: LLMEngine) -> dict[str, tuple[int, int, int]]:
+    return {m: (c.num_proposed, c.num_accepted, c.num_verified) for m, c in engine.speculator.totals.items()}
+
+
+def _acceptance(proposed: int, accepted: int, verified: int) -> str:
+    if not verified:
+        return "  nothing proposed"
+    return (f"  acceptance rate {accepted / proposed:.2f}  mean accepted length "
+            f"{(accepted + verified) / verified:.2f}  ({proposed} proposed in {verified} verifications)")
 
 
 def saturation(model: str, dtype: str, prompts: list[list[int]], max_tokens: int, repeats: int,
@@ -222,11 +238,17 @@ def main() -> None:
     parser.add_argument("--medusa-heads", default=None,
                         help="adds method `medusa`: these Medusa heads (a directory in Medusa's layout made for "
                         "the model, or builtin:code-medusa for builtin:code-small) propose")
-    parser.add_argument("--saturation-method", choices=("prompt_lookup", "draft", "medusa"), default="prompt_lookup")
+    parser.add_argument("--saturation-method", choices=("prompt_lookup", "draft", "medusa", "prompt_lookup+draft"),
+                        default="prompt_lookup")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="the draft scores only the first N token ids (speculative.draft_vocab_size)")
+    parser.add_argument("--fallback-ngram-min", type=int, default=None,
+                        help="prompt_lookup+draft: prompt lookup's shortest match that proposes (default: the "
+                        "engine's speculative.fallback_ngram_min)")
     parser.add_argument("--batch-size", type=int, default=32, help="saturation check: sequences at once (0: skip)")
     parser.add_argument("--max-batch-seqs", type=int, default=None,
                         help="speculative.max_batch_seqs for the saturation run (default: the engine's; 0: no limit)")
@@ -244,15 +266,19 @@ def main() -> None:
         draft = args.draft_model
         if args.draft_layers is not None:
             draft = truncated_copy(model, args.draft_layers, Path(tmp))
-        methods = METHODS + (("draft",) if draft else ()) + (("medusa",) if args.medusa_heads else ())
-        if args.saturation_method == "draft" and not draft:
-            parser.error("--saturation-method draft needs --draft-model or --draft-layers")
+        methods = METHODS + (("draft", "prompt_lookup+draft") if draft else ()) + (("medusa",) if args.medusa_heads else ())
+        if args.saturation_method in ("draft", "prompt_lookup+draft") and not draft:
+            parser.error(f"--saturation-method {args.saturation_method} needs --draft-model or --draft-layers")
         if args.saturation_method == "medusa" and not args.medusa_heads:
             parser.error("--saturation-method medusa needs --medusa-heads")
         speculative: dict = {"method": args.saturation_method, "num_tokens": args.num_speculative_tokens,
                              "draft_model": draft, "medusa_heads": args.medusa_heads}
         if args.max_batch_seqs is not None:
             speculative["max_batch_seqs"] = args.max_batch_seqs
+        if args.fallback_ngram_min is not None:
+            speculative["fallback_ngram_min"] = args.fallback_ngram_min
+        if args.draft_vocab_size is not None:
+            speculative["draft_vocab_size"] = args.draft_vocab_size
         engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative | {"cost_policy": False},
                                         enable_prefix_caching=False))
         scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"

@@ -75,8 +75,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:code-small")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--method", choices=("prompt_lookup", "draft"), default="prompt_lookup")
-    parser.add_argument("--draft-model", default=None, help="the draft for --method draft (builtin:code-draft)")
+    parser.add_argument("--method", choices=("prompt_lookup", "draft", "prompt_lookup+draft"), default="prompt_lookup")
+    parser.add_argument("--draft-model", default=None,
+                        help="the draft for --method draft or prompt_lookup+draft (builtin:code-draft)")
     parser.add_argument("--no-cost-policy", action="store_true", help="the `on` engine without speculative.cost_policy")
     parser.add_argument("--rates", default="4,16,64", help="requests/s, comma-separated")
     parser.add_argument("--num-requests", type=int, default=32, help="per rate and engine")
@@ -86,8 +87,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (1 when other work shares the cores)")
     args = parser.parse_args()
-    if args.method == "draft" and not args.draft_model:
-        parser.error("--method draft needs --draft-model")
+    if args.method in ("draft", "prompt_lookup+draft") and not args.draft_model:
+        parser.error(f"--method {args.method} needs --draft-model")
     if args.threads:
         torch.set_num_threads(args.threads)
     common = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)

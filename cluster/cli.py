@@ -45,8 +45,9 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding (per request; default: the serving pool's setting)")
     g.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                    help="none: off; prompt_lookup: n-gram proposals from the prompt and output; draft: the "
-                   "pool's draft model proposes; medusa: the pool's Medusa heads propose (draft and medusa: no "
-                   "speculation where the pool has none)")
+                   "pool's draft model proposes; medusa: the pool's Medusa heads propose; prompt_lookup+draft: prompt "
+                   "lookup where it finds a match, the draft where it finds none (draft, medusa and "
+                   "prompt_lookup+draft: no speculation where the pool has no draft / heads)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    choices=range(MAX_SPECULATIVE_TOKENS + 1),
                    help=f"proposed tokens per step at most, 0-{MAX_SPECULATIVE_TOKENS} (0: off)")

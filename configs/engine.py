@@ -10,7 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SPECULATIVE_METHODS = ("none", "prompt_lookup", "draft", "medusa")  # engine/spec/ builds a proposer for each but "none"
+# engine/spec/ builds a proposer for each but "none". "prompt_lookup+draft": prompt lookup where it
+# finds a match, the draft model where it finds none (engine/spec/fallback_proposer.py).
+SPECULATIVE_METHODS = ("none", "prompt_lookup", "draft", "medusa", "prompt_lookup+draft")
 MAX_SPECULATIVE_TOKENS = 16  # per step per sequence, for the pool default and for a request alike
 
 
@@ -22,17 +24,28 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    method: Literal["none", "prompt_lookup", "draft", "medusa"] = "none"
+    method: Literal["none", "prompt_lookup", "draft", "medusa", "prompt_lookup+draft"] = "none"
     num_tokens: int = Field(4, ge=1, le=MAX_SPECULATIVE_TOKENS, description="proposed tokens per step, at most")
     # prompt_lookup: match the last n tokens (n from ngram_max down to ngram_min) against the
     # prompt and output so far; propose what followed the most recent earlier match.
     ngram_min: int = Field(1, ge=1, le=64)
     ngram_max: int = Field(3, ge=1, le=64)
+    # prompt_lookup+draft: prompt lookup proposes where its match is at least this many tokens
+    # long (and ngram_min); a shorter match or none hands the step to the draft, whose guesses
+    # cost draft steps but are right more often. 1: the draft only where nothing matched.
+    fallback_ngram_min: int = Field(1, ge=1, le=64)
     # draft: a smaller model with the target's tokenizer (same vocabulary) proposes k tokens
     # greedily, run by this engine with its own paged KV cache (engine/spec/draft_proposer.py):
-    # a local Hugging Face directory or a built-in name. Set, requests may ask for "draft" even
-    # when `method` is another.
+    # a local Hugging Face directory or a built-in name. Set, requests may ask for "draft" (and
+    # "prompt_lookup+draft": prompt lookup's free guesses where it finds a match, the draft's
+    # where it finds none) even when `method` is another.
     draft_model: str | None = Field(None, min_length=1)
+    # The draft scores only the first N token ids (None: all). A BPE tokenizer numbers tokens in
+    # merge order, frequent first (builtin:code-small's first 2048 ids are 85% of held-out code's
+    # tokens), and the vocabulary projection is a quarter of a small draft's step; its guesses are
+    # then always among those ids. Output stays exact either way (verification decides; a sampled
+    # guess's distribution is the restricted one); only acceptance can change.
+    draft_vocab_size: int | None = Field(None, ge=1)
     # medusa: heads on the target's last hidden state, head i guessing the token i + 2 positions
     # past it (engine/spec/medusa_proposer.py): a directory in the published Medusa layout
     # (config.json + medusa_lm_head.safetensors / .pt, or a model.safetensors with `medusa_head.`
@@ -63,8 +76,11 @@ class SpeculativeConfig(BaseModel):
     def _check_ngrams(self) -> SpeculativeConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"speculative.ngram_min ({self.ngram_min}) is above ngram_max ({self.ngram_max})")
-        if self.method == "draft" and self.draft_model is None:
-            raise ValueError("speculative.method 'draft' needs speculative.draft_model: a local Hugging Face "
+        if self.fallback_ngram_min > self.ngram_max:
+            raise ValueError(f"speculative.fallback_ngram_min ({self.fallback_ngram_min}) is above ngram_max "
+                             f"({self.ngram_max})")
+        if self.method in ("draft", "prompt_lookup+draft") and self.draft_model is None:
+            raise ValueError(f"speculative.method {self.method!r} needs speculative.draft_model: a local Hugging Face "
                              "directory (or builtin: name) with the target's tokenizer")
         if self.method == "medusa" and self.medusa_heads is None:
             raise ValueError("speculative.method 'medusa' needs speculative.medusa_heads: a directory of Medusa "

@@ -40,7 +40,9 @@ from engine.snapshot import EngineSnapshot
 from engine.spec import BaseProposer, Speculator
 from engine.spec.draft_model import load_draft_model
 from engine.spec.draft_proposer import DraftModelProposer
+from engine.spec.fallback_proposer import FallbackProposer
 from engine.spec.medusa_proposer import MedusaProposer, load_configured_heads
+from engine.spec.prompt_lookup import PromptLookupProposer
 from engine.spec.speculator import build_proposers
 
 
@@ -87,12 +89,19 @@ class LLMEngine:
 
     def _proposers(self, num_pages: int) -> dict[str, BaseProposer]:
         """Every speculative method this engine serves: prompt lookup always, a draft model when
-        one is configured (loaded here, beside the target, with as many KV pages), Medusa heads
+        one is configured (loaded here, beside the target, with as many KV pages; and then
+        prompt_lookup+draft, the draft where prompt lookup finds nothing), Medusa heads
         when configured (on the target's hidden states: no pages)."""
-        proposers = build_proposers(self.config.speculative)
-        if self.config.speculative.draft_model is not None:
+        spec = self.config.speculative
+        proposers = build_proposers(spec)
+        if spec.draft_model is not None:
             draft = load_draft_model(self.config, self.model_config, num_pages)
-            proposers[DraftModelProposer.method] = DraftModelProposer(draft, self.config.max_num_batched_tokens)
+            draft_proposer = DraftModelProposer(draft, self.config.max_num_batched_tokens)
+            proposers[draft_proposer.method] = draft_proposer
+            # The draft instance is shared: one draft model and one set of draft pages serve both methods.
+            lookup = PromptLookupProposer(max(spec.ngram_min, spec.fallback_ngram_min), spec.ngram_max)
+            hybrid = FallbackProposer(lookup, draft_proposer, spec.adaptive)
+            proposers[hybrid.method] = hybrid
         if self.config.speculative.medusa_heads is not None:
             heads = load_configured_heads(self.config, self.model)
             proposers[MedusaProposer.method] = MedusaProposer(heads)

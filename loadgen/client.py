@@ -35,7 +35,7 @@ class RequestOptions:
     names as extension fields of the OpenAI body (pdserve's; other servers may refuse them).
     None: not sent, the server's setting applies."""
 
-    speculative_method: str | None = None  # "none", "prompt_lookup", "draft", "medusa"
+    speculative_method: str | None = None  # configs.engine.SPECULATIVE_METHODS
     num_speculative_tokens: int | None = None
 
     def body_fields(self) -> dict:

@@ -113,8 +113,8 @@ def to_grpc(body: dict, chat: bool, model_name: str, chat_template: jinja2.Templ
 
 
 def _speculative(body: dict, s: pb.SamplingParams) -> None:
-    """pdserve's extension fields: speculative_method ("none", "prompt_lookup", "draft", "medusa") and
-    num_speculative_tokens (0-16); absent, the serving pool's setting applies."""
+    """pdserve's extension fields: speculative_method ("none", "prompt_lookup", "draft", "medusa",
+    "prompt_lookup+draft") and num_speculative_tokens (0-16); absent, the serving pool's setting applies."""
     method, num = body.get("speculative_method"), body.get("num_speculative_tokens")
     if method is not None:
         if method not in SPECULATIVE_METHODS:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from configs.engine import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model.compute_dtype import resolve_dtype
 from engine.model.config import ModelConfig
+from engine.model.layers import linear
 from engine.model.loader import load_model, resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.page_manager import PageManager
@@ -31,10 +34,23 @@ class DraftModel:
     runner: ModelRunner
     kv_cache: KVCache
     page_manager: PageManager  # the draft's pages only; no prefix cache (drafts recompute)
+    # [vocab_limit, hidden]: the output projection's first rows (speculative.draft_vocab_size),
+    # a contiguous copy so the projection reads only them; None: the model's own projection.
+    head: torch.Tensor | None = None
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] -> [rows, vocab] float32 on CPU; past `head`'s rows, -inf (never guessed)."""
+        if self.head is None or not hidden.shape[0]:
+            return self.runner.logits(hidden)
+        model = self.runner.model
+        scored = linear(hidden, self.head, None, model.backend.skinny_linear, None).float().cpu()  # [rows, limit]
+        out = torch.full((hidden.shape[0], self.config.vocab_size), float("-inf"))
+        out[:, : self.head.shape[0]] = scored
+        return out
 
 
 def load_draft_model(config: EngineConfig, target: ModelConfig, num_pages: int) -> DraftModel:
@@ -52,4 +68,10 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, num_pages: int) 
     model = load_model(path, dtype, config.device, attention_backend(config, cfg.head_dim))
     kv_cache = KVCache(cfg, num_pages, config.page_size, dtype, config.device)
     runner = ModelRunner(model, LocalExecutor(model, kv_cache), config.page_size, config.device)
-    return DraftModel(cfg, runner, kv_cache, PageManager(num_pages, config.page_size, enable_prefix_caching=False))
+    limit = config.speculative.draft_vocab_size
+    head = None
+    if limit is not None and limit < cfg.vocab_size:
+        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        head = weight[:limit].contiguous()
+    return DraftModel(cfg, runner, kv_cache, PageManager(num_pages, config.page_size, enable_prefix_caching=False),
+                      head)

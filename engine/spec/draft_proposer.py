@@ -10,7 +10,8 @@ draft_model.py) holding the same tokens, whose KV the draft computes. One `propo
   2. one draft step over all twins computes those tokens (a prompt chunk or a decode each; the
      catch-up per call is capped at the engine's token budget, so a long prompt is chunked over
      steps and proposes nothing until done) and takes the argmax after each sequence's last token;
-  3. k - 1 more draft decode steps, each feeding the previous guess, for the twins that want more.
+  3. k - 1 more draft decode steps, each feeding the previous guess, for the twins that want more
+     (their batches derived from the previous one's tensors: engine/spec/draft_decode.py).
 The twin then holds KV for the sequence's tokens and the first k - 1 guesses. `on_verified`
 rolls it back to the accepted ones and frees the pages past them; `release` frees all of the
 twin's pages when the sequence finishes, aborts or is preempted.
@@ -31,8 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.forward_batch import ForwardBatch
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.spec.draft_decode import first_decode_batch, next_decode_batch
 from engine.spec.draft_model import DraftModel
 from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
 from engine.spec.rejection import target_probs
@@ -83,27 +86,53 @@ class DraftModelProposer(BaseProposer):
             index_of[id(twin.seq)] = i
             if chunk == num_new:
                 wants[i], guesses[i] = k, []
-        # Catch-up step, then one decode step per further guess, over the twins still guessing.
-        while step:
-            logits, sampled = self.draft.runner.execute(step)
+        # Catch-up step (built by the runner: prompt chunks and decodes), then one decode step per
+        # further guess over the twins still guessing, each batch derived from the last one.
+        if step:
+            runner = self.draft.runner
+            hidden, sampled = runner.execute_hidden(step)
+            logits = self.draft.logits(hidden)
             for s in step:
                 s.seq.num_computed_tokens += s.num_new_tokens
-            next_step = []
-            for row, (s, token) in enumerate(zip(sampled, logits.argmax(dim=-1).tolist())):
-                i = index_of[id(s.seq)]
-                if not s.seq.params.greedy:
-                    q = target_probs(logits[row : row + 1], s.seq.params)[0]  # [vocab]
-                    token = int(torch.multinomial(q, 1, generator=s.seq.generator)[0])
-                    draws.setdefault(i, []).append(q)
-                guesses[i].append(token)
-                if len(guesses[i]) < wants[i]:
-                    s.seq.token_ids.append(token)  # fed next step: its KV is the next position's
-                    next_step.append(ScheduledSeq(s.seq, 1))
-            step = next_step
+            live = [s.seq for s in sampled]
+            batch: ForwardBatch | None = None
+            while live:
+                rows = self._take_guesses(logits, live, index_of, guesses, draws, wants)
+                if not rows:
+                    break
+                live_next = [live[row] for row in rows]
+                if batch is None:
+                    batch = first_decode_batch(live_next, self.page_size, runner.device)
+                else:
+                    fed = torch.tensor([seq.token_ids[-1] for seq in live_next])
+                    keep = None if len(rows) == len(live) else torch.tensor(rows)
+                    batch = next_decode_batch(batch, fed, keep, self.page_size)
+                logits = self.draft.logits(runner.executor.run(batch))
+                live = live_next
+                for seq in live:
+                    seq.num_computed_tokens += 1
         proposals = [NO_PROPOSAL] * len(seqs)
         for i, tokens in guesses.items():
             proposals[i] = Proposal(tuple(tokens), torch.stack(draws[i]) if i in draws else None)
         return proposals
+
+    def _take_guesses(self, logits: torch.Tensor, seqs: list[Sequence], index_of: dict[int, int],
+                      guesses: dict[int, list[int]], draws: dict[int, list[torch.Tensor]],
+                      wants: dict[int, int]) -> list[int]:
+        """Each twin's next guess from its row of `logits`; returns the rows of the twins that
+        want another (their guess appended to their tokens: fed next step, its KV the next position's)."""
+        more = []
+        for row, (seq, token) in enumerate(zip(seqs, logits.argmax(dim=-1).tolist())):
+            i = index_of[id(seq)]
+            if not seq.params.greedy:
+                q = target_probs(logits[row : row + 1], seq.params)[0]  # [vocab]
+                token = int(torch.multinomial(q, 1, generator=seq.generator)[0])
+                draws.setdefault(i, []).append(q)
+            guesses[i].append(token)
+            if len(guesses[i]) < wants[i]:
+                seq.token_ids.append(token)
+                more.append(row)
+        return more
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         """The first `num_accepted` guesses are the sequence's now: keep their KV, drop the rest."""

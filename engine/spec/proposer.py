@@ -30,6 +30,9 @@ class Proposal:
     # rejection sampling (a draft model's softmax). None: every token is a point mass
     # (deterministic proposals: prompt lookup, greedy drafts).
     draft_probs: torch.Tensor | None = None
+    # The method whose guesses these are, where it is not the request's own (a fallback method's
+    # parts, engine/spec/fallback_proposer.py): metrics count acceptance by who proposed.
+    proposed_by: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

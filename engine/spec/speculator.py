@@ -55,7 +55,11 @@ class SpecCounts:
 class SpecStepStats:
     """One step's verifications by method (engine/metrics/worker_metrics.py counts them)."""
 
+    # By the method that made the proposals (a fallback method's parts apart: Proposal.proposed_by).
     by_method: dict[str, SpecCounts] = field(default_factory=dict)
+    # The requests' methods (proposer keys) whose proposals were verified: what the cost policy
+    # measures (it decides per request method, whichever part of it proposed).
+    verified_methods: set[str] = field(default_factory=set)
 
     def add(self, method: str, num_proposed: int, num_accepted: int) -> None:
         counts = self.by_method.setdefault(method, SpecCounts())
@@ -84,7 +88,7 @@ class Speculator:
         self.config = config
         self.proposers = build_proposers(config) if proposers is None else proposers
         self.step_stats = SpecStepStats()  # of the latest step
-        self.totals: dict[str, SpecCounts] = {}  # lifetime, by method
+        self.totals: dict[str, SpecCounts] = {}  # lifetime, by the method that proposed
         self.cost = CostPolicy() if config.cost_policy else None
         self.clock = clock  # seconds; a test injects its own
         self._step: _StepRecord | None = None  # the current step, while the cost policy measures it
@@ -99,7 +103,7 @@ class Speculator:
         step, self._step = self._step, None
         if self.cost is None or step is None or not step.num_seqs or not step.all_decodes:
             return
-        verified = set(self.step_stats.by_method)
+        verified = self.step_stats.verified_methods
         if step.methods <= verified:  # a proposer that ran and proposed nothing: neither side's step
             self.cost.record(verified, step.num_seqs, step.num_tokens, self.clock() - step.start)
 
@@ -229,8 +233,10 @@ class Speculator:
             picked = torch.log_softmax(logits[: len(tokens)], dim=-1).gather(1, torch.tensor(tokens)[:, None])
             logprobs = picked[:, 0].tolist()
         seq.spec.record(len(draft), accepted)
-        self.step_stats.add(s.spec_method, len(draft), accepted)
-        total = self.totals.setdefault(s.spec_method, SpecCounts())
+        label = draft.proposed_by or s.spec_method  # who proposed (a fallback method's part)
+        self.step_stats.add(label, len(draft), accepted)
+        self.step_stats.verified_methods.add(s.spec_method)
+        total = self.totals.setdefault(label, SpecCounts())
         total.num_proposed += len(draft)
         total.num_accepted += accepted
         total.num_verified += 1

@@ -203,3 +203,28 @@ def test_bad_draft_settings_fail_with_their_reason(tiny_dir, tmp_path):
         LLMEngine(EngineConfig(model=str(tiny_dir), speculative={"method": "draft", "draft_model": str(small_vocab)}))
     with pytest.raises(ValueError, match="speculative_method must be one of none, prompt_lookup, draft, medusa"):
         SamplingParams(speculative_method="eagle")
+
+
+def test_a_draft_scoring_only_the_first_token_ids_guesses_among_them_and_stays_exact(loopy_dir, loopy_draft_dir):
+    """speculative.draft_vocab_size: the random prompts' tokens run to 4000, so the loopy target
+    repeats tokens the restricted draft can never guess; its output is still the target's."""
+    prompts = prompts_of(4, 30, seed=83)
+    plain = run(make_engine(loopy_dir), {0: dict(prompts)}, GREEDY)
+    engine = make_engine(loopy_dir, draft_config(loopy_draft_dir, draft_vocab_size=2000))
+    proposer = proposer_of(engine)
+    guessed: list[int] = []
+    propose = proposer.propose
+    proposer.propose = lambda seqs, ks: [guessed.extend(p.token_ids) or p for p in propose(seqs, ks)]  # type: ignore[method-assign]
+    spec = run_checked(engine, {0: dict(prompts)}, GREEDY)
+    proposed, accepted = check_same(plain, spec)
+    assert 0 < accepted < proposed
+    assert guessed and max(guessed) < 2000
+    assert_no_page_leak(engine)
+    assert_draft_pages_free(engine)
+    # Sampled: guesses are drawn from the restricted distribution (zero past the limit), which
+    # goes with the proposal for the general rejection rule; a seeded run repeats.
+    params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, seed=9)
+    runs = [run_checked(make_engine(loopy_dir, draft_config(loopy_draft_dir, draft_vocab_size=2000)),
+                        {0: dict(prompts)}, params) for _ in range(2)]
+    assert all(runs[0][rid].token_ids == runs[1][rid].token_ids for rid in prompts)
+    assert sum(o.num_spec_accepted for o in runs[0].values()) > 0

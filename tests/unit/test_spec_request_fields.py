@@ -63,3 +63,10 @@ def test_openai_bad_values_name_the_field(body, param):
     with pytest.raises(BadRequest) as err:
         to_grpc({"prompt": "x", **body}, False, "m", TEMPLATE)
     assert err.value.param == param and err.value.status == 400
+
+
+def test_the_fallback_method_passes_both_doors(tokenizer):
+    j = validate(grpc_request(speculative_method="prompt_lookup+draft"), tokenizer, 64, 60.0)
+    assert j.sampling.speculative_method == "prompt_lookup+draft"
+    req = to_grpc({"prompt": "x", "speculative_method": "prompt_lookup+draft"}, False, "m", TEMPLATE)
+    assert req.sampling.speculative_method == "prompt_lookup+draft"

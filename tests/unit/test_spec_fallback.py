@@ -1,0 +1,67 @@
+"""engine/spec/fallback_proposer.py with stand-in proposers: who proposes, labels, routing of
+`on_verified`, the fallback's own adaptive k, and forgetting a released sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from engine import SamplingParams
+from engine.sequence import Sequence
+from engine.spec.fallback_proposer import FallbackProposer
+from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
+
+
+class Scripted(BaseProposer):
+    """Proposes `answers[request_id]` (cut to k); records the hooks it gets."""
+
+    def __init__(self, method: str, answers: dict[str, tuple[int, ...]]) -> None:
+        self.method, self.answers = method, answers
+        self.asked: list[tuple[str, int]] = []
+        self.verified: list[tuple[str, int]] = []
+        self.released: list[str] = []
+
+    def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
+        self.asked += [(s.request_id, k) for s, k in zip(seqs, max_num_tokens)]
+        return [Proposal(self.answers[s.request_id][:k]) if self.answers.get(s.request_id) else NO_PROPOSAL
+                for s, k in zip(seqs, max_num_tokens)]
+
+    def on_verified(self, seq: Sequence, num_accepted: int) -> None:
+        self.verified.append((seq.request_id, num_accepted))
+
+    def release(self, seq: Sequence) -> None:
+        self.released.append(seq.request_id)
+
+
+def seq(request_id: str) -> Sequence:
+    return Sequence(request_id, [1, 2, 3], SamplingParams(), 3, 64)
+
+
+def test_the_primary_where_it_has_guesses_else_the_fallback_labelled_by_who_proposed():
+    primary, fallback = Scripted("lookup", {"a": (5, 6)}), Scripted("draft", {"b": (7, 8, 9)})
+    hybrid = FallbackProposer(primary, fallback)
+    assert hybrid.method == "lookup+draft" and hybrid.free_proposals
+    a, b = seq("a"), seq("b")
+    proposals = hybrid.propose([a, b], [4, 4])
+    assert [p.token_ids for p in proposals] == [(5, 6), (7, 8, 9)]
+    assert [p.proposed_by for p in proposals] == ["lookup", "draft"]
+    assert fallback.asked == [("b", 4)]  # never asked for a sequence the primary served
+    hybrid.on_verified(a, 1)
+    hybrid.on_verified(b, 2)
+    assert primary.verified == [("a", 1)] and fallback.verified == [("b", 2)]
+    hybrid.on_verified(b, 0)  # nothing pending: nobody hears of it
+    assert fallback.verified == [("b", 2)]
+
+
+def test_the_fallbacks_k_follows_its_own_misses_and_a_release_forgets_the_sequence():
+    primary, fallback = Scripted("lookup", {}), Scripted("draft", {"b": (7, 8, 9, 10)})
+    hybrid = FallbackProposer(primary, fallback)
+    b = seq("b")
+    assert len(hybrid.propose([b], [4])[0]) == 4
+    hybrid.on_verified(b, 0)  # a total miss: k drops to 1 after a pause of one step
+    assert hybrid.propose([b], [4]) == [NO_PROPOSAL]
+    assert len(hybrid.propose([b], [4])[0]) == 1
+    hybrid.on_verified(b, 1)  # all accepted: k grows again
+    assert len(hybrid.propose([b], [4])[0]) == 2
+    hybrid.release(b)
+    assert not hybrid.pending and not hybrid.fallback_states
+    assert primary.released == ["b"] and fallback.released == ["b"]
