@@ -16,24 +16,38 @@ from engine.spec.draft_proposer import DraftModelProposer
 VOCAB, PAGE_SIZE = 64, 4
 
 
+def one_hot_next(tokens) -> torch.Tensor:
+    """Logits whose argmax is each token + 1 (the twin's "model")."""
+    logits = torch.zeros(len(tokens), VOCAB)
+    for row, token in enumerate(tokens):
+        logits[row, (int(token) + 1) % VOCAB] = 1.0
+    return logits
+
+
 class CountingRunner:
-    """Logits whose argmax is each sampling sequence's last token + 1; records the step sizes."""
+    """Logits (standing in for the hidden rows; the twin draft's `logits` passes them through)
+    whose argmax is each sampling sequence's last token + 1; records the step sizes: the catch-up
+    step through `execute_hidden`, the follow-up one-token steps through `executor.run`."""
+
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.steps: list[list[int]] = []  # tokens computed per scheduled twin, per call
+        self.executor = SimpleNamespace(run=self._run_decodes)
 
-    def execute(self, scheduled):
+    def execute_hidden(self, scheduled):
         self.steps.append([s.num_new_tokens for s in scheduled])
         sampled = [s for s in scheduled if s.samples]
-        logits = torch.zeros(len(sampled), VOCAB)
-        for row, s in enumerate(sampled):
-            logits[row, (s.seq.token_ids[-1] + 1) % VOCAB] = 1.0
-        return logits, sampled
+        return one_hot_next([s.seq.token_ids[-1] for s in sampled]), sampled
+
+    def _run_decodes(self, batch):
+        self.steps.append([1] * batch.num_decode_seqs)
+        return one_hot_next(batch.input_ids.tolist())
 
 
 def proposer(num_pages: int = 32, max_catch_up_tokens: int = 64) -> DraftModelProposer:
     draft = SimpleNamespace(runner=CountingRunner(), page_manager=PageManager(num_pages, PAGE_SIZE, False),
-                            max_model_len=128)
+                            max_model_len=128, logits=lambda hidden: hidden)
     return DraftModelProposer(draft, max_catch_up_tokens)  # type: ignore[arg-type]
 
 
