@@ -157,13 +157,16 @@ def report(all_results: dict[str, dict[str, BenchResult]], floor_s: float, slo: 
     ]
     head = "| metric | vLLM-CPU | " + " | ".join(f"pdserve {s} | ratio" for s in others) + " | target |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    def shown(value: float) -> str:  # NaN: no such value (no rate met the SLO)
+        return "none" if math.isnan(value) else f"{value:.3g}"
+
     for metric, fn, higher, target in rows:
         ref = fn(base)
-        cells = [f"{ref:.3g}"]
+        cells = [shown(ref)]
         for s in others:
             value = fn(all_results[s])
             ratio = value / ref if higher else ref / value
-            cells += [f"{value:.3g}", f"**{ratio:.2f}x**"]
+            cells += [shown(value), "-" if math.isnan(ratio) else f"**{ratio:.2f}x**"]
         lines.append(f"| {metric} | " + " | ".join(cells) + f" | {target} |")
     lines.append("")
     lines.append("ratio: pdserve's advantage (> 1 is better for pdserve), whichever way the metric points.")
