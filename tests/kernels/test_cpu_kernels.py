@@ -329,6 +329,21 @@ def test_packed_gemv_is_refused_where_it_would_be_wrong():
     assert packed_linear.gemv_for(packed_linear.pack(weight.float()), weight.float()) is None  # bf16 only
 
 
+def _count_gemv_rows(layer) -> list[int]:
+    """Wraps the layer's packed GEMV: the returned list gets the row count of each call it takes."""
+    real, calls = layer.gemv, []
+
+    class Spy:
+        max_rows = real.max_rows
+
+        def __call__(self, x, bias):
+            calls.append(x.shape[0])
+            return real(x, bias)
+
+    layer.gemv = Spy()
+    return calls
+
+
 def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
     """Up to 32 rows on AMX tiles, one row on the AMX layout without them, up to 8 where oneDNN
     packs for AVX512-BF16 alone (kernels/packed_linear.py max_rows); oneDNN multiplies the rest."""
@@ -343,16 +358,7 @@ def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
     real = layer.gemv
     assert real.max_rows == packed_linear.max_rows(real.block_n, real.block_k, 128, 64) in (
         1, 8, packed_linear.AMX_GEMM_ROWS)
-    calls = []
-
-    class Spy:
-        max_rows = real.max_rows
-
-        def __call__(self, x, bias):
-            calls.append(x.shape[0])
-            return real(x, bias)
-
-    layer.gemv = Spy()
+    calls = _count_gemv_rows(layer)
     row_counts = (1, 2, 5, 8, 9, 32, 33)
     for rows in row_counts:
         x = torch.randn(rows, 64).to(torch.bfloat16)
@@ -377,16 +383,7 @@ def test_prefill_rows_of_a_narrow_weight_take_the_amx_kernel_up_to_its_limit():
         pytest.skip("no AMX tiles here: prefill rows stay with oneDNN")
     real = layer.gemv
     assert real.max_rows == packed_linear.AMX_PREFILL_ROWS
-    calls = []
-
-    class Spy:
-        max_rows = real.max_rows
-
-        def __call__(self, x, bias):
-            calls.append(x.shape[0])
-            return real(x, bias)
-
-    layer.gemv = Spy()
+    calls = _count_gemv_rows(layer)
     gen = torch.Generator().manual_seed(7)
     for rows in (33, 517, real.max_rows, real.max_rows + 1):
         x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
