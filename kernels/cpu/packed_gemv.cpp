@@ -152,8 +152,9 @@ inline void amx_block(const uint16_t* tile, const uint16_t* x, int64_t ldx, int 
 // the A tile as it lies (16 rows x 32 inputs), so nothing is repacked. A pull is a chunk of
 // kAmxChunkRows rows by kAmxGrain output blocks; at m <= 32 (decode) that is a run of W.
 // Why past 32 rows (prefill chunks): oneDNN's own kernel for the same packed weight ran the
-// 768-output layers of builtin:small at ~1.1 TFLOP/s at 512 rows and ~1.0 at 1,024 (2 Sapphire
-// Rapids-class cores), against ~2 for the other shapes; see benchmarks/gemm_shapes.py.
+// 768-output layers of builtin:small at ~0.95 TFLOP/s at 512 and 1,024 rows (2 Sapphire
+// Rapids-class cores), against 1.5-2.2 for the other shapes (`benchmarks/gemm_shapes.py
+// --by-shape`; kernels/packed_linear.py AMX_PREFILL_ROWS has the figures).
 void run_amx(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t m, int64_t k, int64_t n, const float* bias,
              uint16_t* y) {
   const int64_t col_blocks = n / 32;
