@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.spec.draft_proposer import DraftModelProposer
-from tests.helpers import assert_no_page_leak, hf_greedy, prefill_and_ship, write_truncated_model
-from tests.integration.test_spec_decode import GREEDY, check_same, make_engine, prompts_of, run
+from tests.helpers import assert_no_page_leak, prefill_and_ship, write_truncated_model
+from tests.integration.test_spec_decode import GREEDY, assert_hf_greedy, check_same, make_engine, prompts_of, run
 
 
 def draft_config(draft_dir, **extra) -> dict:
@@ -74,8 +74,7 @@ def test_a_smaller_draft_keeps_greedy_output_the_targets(loopy_dir, hf_loopy, lo
     spec = run_checked(engine, {0: dict(prompts)}, GREEDY)
     proposed, accepted = check_same(plain, spec)
     assert 0 < accepted < proposed  # the one-layer draft is right sometimes, wrong other times
-    for rid, ids in list(prompts.items())[:2]:
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, dict(list(prompts.items())[:2]), hf_loopy)
     assert_no_page_leak(engine)
     assert_draft_pages_free(engine)
 
@@ -103,8 +102,7 @@ def test_preemption_frees_and_rebuilds_the_draft(loopy_dir, hf_loopy, loopy_draf
     spec = run_checked(engine, {0: dict(prompts)}, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     assert sum(o.num_spec_accepted for o in spec.values()) > 0
-    for rid, ids in prompts.items():
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, prompts, hf_loopy)
     assert_no_page_leak(engine)
     assert_draft_pages_free(engine)
 

@@ -14,9 +14,9 @@ from pydantic import ValidationError
 from configs import EngineConfig
 from engine import SamplingParams
 from engine.spec.fallback_proposer import FallbackProposer
-from tests.helpers import assert_no_page_leak, hf_greedy, prefill_and_ship
+from tests.helpers import assert_no_page_leak, prefill_and_ship
 from tests.integration.test_draft_spec import assert_draft_pages_free, assert_twins_rolled_back
-from tests.integration.test_spec_decode import GREEDY, check_same, make_engine, prompts_of, run
+from tests.integration.test_spec_decode import GREEDY, assert_hf_greedy, check_same, make_engine, prompts_of, run
 
 HYBRID = "prompt_lookup+draft"
 
@@ -32,8 +32,7 @@ def test_greedy_equals_plain_and_hf_with_both_parts_proposing(loopy_dir, hf_loop
     spec = run(engine, {0: dict(prompts)}, GREEDY, check=assert_twins_rolled_back)
     proposed, accepted = check_same(plain, spec)
     assert 0 < accepted < proposed
-    for rid, ids in list(prompts.items())[:2]:
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, dict(list(prompts.items())[:2]), hf_loopy)
     # Counted by who proposed, never under the method's own name; the request's totals are both.
     totals = engine.speculator.totals
     assert set(totals) == {"prompt_lookup", "draft"}
@@ -53,8 +52,7 @@ def test_shares_steps_with_prefills_and_survives_preemption(loopy_dir, hf_loopy,
                          max_num_seqs=4)
     spec = run(engine, arrivals, GREEDY, check=assert_twins_rolled_back)
     assert engine.scheduler.num_preemptions > 0
-    for rid, ids in prompts.items():
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, prompts, hf_loopy)
     assert_no_page_leak(engine)
     assert_draft_pages_free(engine)
 

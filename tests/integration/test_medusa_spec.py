@@ -18,13 +18,12 @@ from engine.metrics.step_stats import StepStats
 from engine.spec.medusa_proposer import MedusaProposer
 from tests.helpers import (
     assert_no_page_leak,
-    hf_greedy,
     medusa_tensors_from_lm_head,
     prefill_and_ship,
     write_loopy_model,
     write_medusa_heads,
 )
-from tests.integration.test_spec_decode import GREEDY, check_same, make_engine, prompts_of, run
+from tests.integration.test_spec_decode import GREEDY, assert_hf_greedy, check_same, make_engine, prompts_of, run
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +111,7 @@ def test_partly_right_heads_keep_greedy_output_the_targets(loopy_dir, hf_loopy, 
     spec = run(engine, {0: dict(prompts)}, GREEDY, check=assert_rows_are_the_last_tokens)
     proposed, accepted = check_same(plain, spec)
     assert 0 < accepted < proposed
-    for rid, ids in list(prompts.items())[:2]:
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, dict(list(prompts.items())[:2]), hf_loopy)
     assert_nothing_kept(engine)
 
 
@@ -145,8 +143,7 @@ def test_preemption_drops_the_row_and_recomputation_brings_it_back(loopy_dir, hf
     spec = run(engine, {0: dict(prompts)}, GREEDY, check=assert_rows_are_the_last_tokens)
     assert engine.scheduler.num_preemptions > 0
     assert sum(o.num_spec_accepted for o in spec.values()) > 0
-    for rid, ids in prompts.items():
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, prompts, hf_loopy)
     assert_nothing_kept(engine)
 
 

@@ -60,6 +60,12 @@ def run(engine: LLMEngine, arrivals: dict[int, dict[str, list[int]]], params: Sa
     return finished
 
 
+def assert_hf_greedy(spec: dict, prompts: dict[str, list[int]], hf) -> None:
+    """Each request's tokens (outputs by request id) are Hugging Face's greedy ones for its prompt."""
+    for rid, ids in prompts.items():
+        assert spec[rid].token_ids == hf_greedy(hf, ids, GREEDY.max_tokens)[0], rid
+
+
 def assert_no_draft_pages_held(engine: LLMEngine) -> None:
     """Between steps a sequence holds pages through its next token at most: those a rejected
     proposal took are back (the plain path holds as many)."""
@@ -121,8 +127,7 @@ def test_speculating_decodes_share_steps_with_prefill_chunks_and_prefix_hits(loo
     assert mixed, "no step verified proposals alongside a prompt chunk"
     assert all(s.work.num_prefill_tokens + s.work.num_decode_tokens <= 40 for s in stats)  # within the budget
     assert spec_engine.page_manager.prefix_hit_tokens >= 64
-    for rid, ids in prompts.items():
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, prompts, hf_loopy)
     assert_no_page_leak(spec_engine)
 
 
@@ -152,8 +157,7 @@ def test_preemption_with_speculation_matches_hf(loopy_dir, hf_loopy, prefix_cach
     spec = run(engine, {0: dict(prompts)}, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     assert sum(o.num_spec_accepted for o in spec.values()) > 0
-    for rid, ids in prompts.items():
-        assert spec[rid].token_ids == hf_greedy(hf_loopy, ids, GREEDY.max_tokens)[0], rid
+    assert_hf_greedy(spec, prompts, hf_loopy)
     assert_no_page_leak(engine)
 
 
