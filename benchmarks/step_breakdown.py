@@ -5,7 +5,9 @@ norms and fused element-wise kernels, the vocabulary projection, and what is lef
 Sits beside benchmarks/engine_burst.py (whole bursts) and benchmarks/engine_steps.py (step time
 against its roofline): this wraps each part of the model that one step calls with a timer
 (every part runs synchronously on the CPU, so wall time is its cost) and reports, per step, the
-mean milliseconds of each, for two shapes of vs_vllm.py's burst:
+mean milliseconds of each, for two shapes of vs_vllm.py's burst (the layers run in Python so
+that their parts can be timed; the decode steps are timed again as the engine runs them, its
+layers in one compiled call, engine/model/fused_decode.py):
   prefill  one --prompt-len prompt at a time, alone in its step (a lone request's TTFT);
   decode   --batch sequences decoding together, each past a --prompt-len prompt.
 The engine settings are vs_vllm.py's (configs/bench/vs-vllm-colocated.yaml), as engine_burst.py's.
@@ -70,9 +72,11 @@ class _FusedOps:
 
 def instrument(llm: LLM, timers: PartTimers) -> None:
     """Wraps the step, the model's forward and logits, each layer's linears and norms, attention
-    and the fused kernels of `llm`'s engine."""
+    and the fused kernels of `llm`'s engine. The layers run in Python, where the parts can be
+    timed, not in one compiled call (engine/model/fused_decode.py; main() times that after)."""
     eng = llm.engine
     model = eng.model
+    model.fused_decode = None
     llama.paged_attention = timers.wrap("attention", llama.paged_attention)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -120,6 +124,7 @@ def main() -> None:
         return [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
 
     timers = PartTimers()
+    fused = eng.model.fused_decode
     instrument(llm, timers)
     # Prefill: each prompt alone, to its first token; the first two warm the kernels up.
     for i in range(args.steps // 4 + 2):
@@ -131,7 +136,7 @@ def main() -> None:
     report(f"prefill, one {args.prompt_len}-token prompt a step", timers, args.steps // 4)
     # Decode: the batch prefilled first (untimed), then steps with every sequence decoding.
     for i in range(args.batch):
-        eng.add_request(f"d{i}", prompt(), SamplingParams(max_tokens=args.steps + 16, ignore_eos=True))
+        eng.add_request(f"d{i}", prompt(), SamplingParams(max_tokens=2 * args.steps + 16, ignore_eos=True))
     while len(eng.scheduler.running) < args.batch or any(
             s.num_computed_tokens < args.prompt_len for s in eng.scheduler.running):
         eng.step()
@@ -141,6 +146,17 @@ def main() -> None:
     for _ in range(args.steps):
         eng.step()
     report(f"decode, {args.batch} sequences past {args.prompt_len}-token prompts", timers, args.steps)
+    # The same steps with the layers in one compiled call, where the engine does that: only the
+    # forward and what lies outside it can be timed then.
+    eng.model.fused_decode = fused
+    if fused is not None:
+        for _ in range(2):
+            eng.step()
+        timers.reset()
+        for _ in range(args.steps):
+            eng.step()
+        report("the same decode steps with the layers in one compiled call (the engine's default)", timers,
+               args.steps)
     llm.close()
 
 

@@ -25,7 +25,7 @@ import torch
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp", "fused_ops.cpp",
-                                                "packed_gemv.cpp")]
+                                                "packed_gemv.cpp", "decode_layers.cpp")]
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is compiled for
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -155,6 +155,12 @@ def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for rows [gate | up] of [T, 2 * I]; returns [T, I]."""
     return _require().silu_mul(gate_up)
+
+
+def decode_layers(*args: object) -> torch.Tensor:
+    """A step's decoder layers over packed GEMVs in one call (kernels/cpu/decode_layers.cpp; its
+    arguments are laid out by engine/model/fused_decode.py, the one caller)."""
+    return _require().decode_layers(*args)
 
 
 def _require() -> ModuleType:

@@ -20,6 +20,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
 from engine.model.attention import AttentionBackend, paged_attention
 from engine.model.config import ModelConfig
+from engine.model.fused_decode import FusedDecodeLayers
 from engine.model.layers import (
     ColumnParallelLinear,
     ParallelContext,
@@ -114,6 +115,8 @@ class LlamaForCausalLM(nn.Module):
                 module.skinny = backend.skinny_linear
         self.packed_output: torch.Tensor | None = None  # set by pack_weights for a tied output projection
         self.output_gemv: packed_linear.PackedGemv | None = None  # its single-row path, where it has one
+        # the layers in one compiled call for steps of a few rows, where pack_weights finds it serves
+        self.fused_decode: FusedDecodeLayers | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -130,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = hidden.clone()  # the fused norms add into the residual in place: not the caller's buffer
         fused = self.backend.fused_ops
+        if self.fused_decode is not None and self.fused_decode.serves(batch, hidden):
+            hidden, residual = self.layers[0].input_layernorm.add_norm(hidden, None, fused)
+            return self.fused_decode(hidden, residual, batch, kv_cache, self.rope) + residual
         rotate = self._rotation(batch, hidden.dtype, fused)
         residual = None
         for layer in self.layers:
@@ -179,6 +185,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.packed_output = packed_linear.pack(self.embed_tokens.weight.data)
             self.output_gemv = packed_linear.gemv_for(self.packed_output, self.embed_tokens.weight.data)
+        self.fused_decode = FusedDecodeLayers.build(self)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors; fails naming any tensor the model has no place for, lacks,

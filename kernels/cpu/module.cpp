@@ -16,6 +16,16 @@ bool amx_attention_supported();
 bool packed_gemv_amx_supported();
 torch::Tensor packed_gemv(torch::Tensor x, torch::Tensor blocked, int64_t n, c10::optional<torch::Tensor> bias,
                           int64_t block_n, int64_t block_k);
+torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor residual, std::vector<torch::Tensor> norms, double eps,
+                            std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> qkv_bias,
+                            std::vector<int64_t> qkv_shape, std::vector<torch::Tensor> o_w,
+                            std::vector<torch::Tensor> o_bias, std::vector<int64_t> o_shape,
+                            std::vector<torch::Tensor> gate_up_w, std::vector<int64_t> gate_up_shape,
+                            std::vector<torch::Tensor> down_w, std::vector<int64_t> down_shape,
+                            std::vector<torch::Tensor> caches, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, double scale, torch::Tensor positions, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor page_table,
+                            torch::Tensor query_start_loc, torch::Tensor context_lens);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "causal paged attention over a mixed batch (pages read in place)");
@@ -27,5 +37,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_gemv_supported", &packed_gemv_supported, "whether packed_gemv was built (AVX512-BF16)");
   m.def("amx_attention_supported", &amx_attention_supported, "whether bf16 prefill tiles run on AMX (built with AMX, and the OS grants it)");
   m.def("packed_gemv_amx_supported", &packed_gemv_amx_supported, "whether packed_gemv multiplies 2-32 rows on AMX tiles (32 x 32 layout)");
+  m.def("decode_layers", &decode_layers, "a step's decoder layers over packed GEMVs in one call (engine/model/fused_decode.py)");
   m.def("packed_gemv", &packed_gemv, "x W^T (+ b) for 1-8 bf16 rows, W read in oneDNN's bf16 block layout (block_n outputs x block_k inputs)");
 }
