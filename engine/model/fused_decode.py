@@ -12,16 +12,17 @@ decode step (docs/benchmarks.md has the figures).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_cache import KVCache
+from engine.model.layers import ColumnParallelLinear, RowParallelLinear
 from engine.model.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaForCausalLM
+    from engine.model.llama import DecoderLayer, LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -33,15 +34,17 @@ class _Products:
     shape: list[int]  # per layer: outputs, block_n, block_k
 
 
-def _products(linears: list[torch.nn.Module], bias_in_product: bool) -> _Products | None:
-    blocked, bias, shape = [], [], []
+def _products(linears: list[ColumnParallelLinear] | list[RowParallelLinear], bias_in_product: bool
+              ) -> _Products | None:
+    blocked: list[torch.Tensor] = []
+    bias: list[torch.Tensor] = []
+    shape: list[int] = []
     for lin in linears:
-        gemv = getattr(lin, "gemv", None)
+        gemv = lin.gemv
         if gemv is None:
             return None
         blocked.append(gemv.blocked)
-        has_bias = bias_in_product and lin.bias is not None
-        bias.append(lin.bias.data if has_bias else torch.empty(0))
+        bias.append(lin.bias.data if bias_in_product and lin.bias is not None else torch.empty(0))
         shape += [gemv.out_features, gemv.block_n, gemv.block_k]
     return _Products(blocked, bias, shape)
 
@@ -56,11 +59,12 @@ class FusedDecodeLayers:
 
         self._ops = cpu_ops
         self._model = model
+        self._layers = _layers(model)
         self._qkv, self._o, self._gate_up, self._down = qkv, o, gate_up, down
         # o_proj's bias is added after its product (and after the all-reduce, under TP)
-        self._o_bias = [layer.self_attn.o_proj.bias.data if layer.self_attn.o_proj.bias is not None
-                        else torch.empty(0) for layer in model.layers]
-        self._norms = [w for layer in model.layers
+        o_biases = [layer.self_attn.o_proj.bias for layer in self._layers]
+        self._o_bias = [torch.empty(0) if b is None else b.data for b in o_biases]
+        self._norms = [w for layer in self._layers
                        for w in (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)]
         self.max_rows = max_rows  # the fewest rows any layer's packed GEMV takes
 
@@ -69,8 +73,8 @@ class FusedDecodeLayers:
         backend = model.backend
         if backend.name != "cpu" or backend.fused_ops is None or not len(model.layers):
             return None
-        attn = [layer.self_attn for layer in model.layers]
-        mlp = [layer.mlp for layer in model.layers]
+        attn = [layer.self_attn for layer in _layers(model)]
+        mlp = [layer.mlp for layer in _layers(model)]
         if any(a.qkv_proj.ctx.tp_size != 1 for a in attn):
             return None  # the all-reduces stay in Python
         products = (
@@ -81,10 +85,10 @@ class FusedDecodeLayers:
         )
         if any(p is None for p in products):
             return None
-        linears = [lin for a, m in zip(attn, mlp) for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+        gemvs = [lin.gemv for a, m in zip(attn, mlp) for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
         qkv, o, gate_up, down = products
         assert qkv is not None and o is not None and gate_up is not None and down is not None
-        return FusedDecodeLayers(model, qkv, o, gate_up, down, min(lin.gemv.max_rows for lin in linears))
+        return FusedDecodeLayers(model, qkv, o, gate_up, down, min(g.max_rows for g in gemvs if g is not None))
 
     def serves(self, batch: ForwardBatch, hidden: torch.Tensor) -> bool:
         """Whether the Python loop would send every product of this step to the packed GEMV and
@@ -97,10 +101,9 @@ class FusedDecodeLayers:
                  rope: RotaryEmbedding) -> torch.Tensor:
         """hidden: layer 0's normed input; residual: added into in place. Returns the last
         layer's MLP output, as the Python loop leaves `hidden` before the final residual add."""
-        model = self._model
-        first = model.layers[0].input_layernorm
-        caches = [c for layer in model.layers for c in kv_cache.layer(layer.self_attn.layer_id)]
-        attn = model.layers[0].self_attn
+        first = self._layers[0].input_layernorm
+        caches = [c for layer in self._layers for c in kv_cache.layer(layer.self_attn.layer_id)]
+        attn = self._layers[0].self_attn
         q, o, gu, d = self._qkv, self._o, self._gate_up, self._down
         return self._ops.decode_layers(
             hidden, residual, self._norms, first.eps,
@@ -110,3 +113,7 @@ class FusedDecodeLayers:
             batch.positions, rope.cos, rope.sin, batch.slot_mapping,
             batch.page_table, batch.query_start_loc, batch.context_lens,
         )
+
+
+def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    return cast("list[DecoderLayer]", list(model.layers))
