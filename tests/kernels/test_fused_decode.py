@@ -67,12 +67,20 @@ def test_fused_layers_give_the_python_loops_bits(biases, monkeypatch):
                 lin.bias = nn.Parameter((torch.randn(out, generator=gen) * 0.5).to(torch.bfloat16), requires_grad=False)
         model.fused_decode = FusedDecodeLayers.build(model)
     fused_rows = _check_both_paths(llm, monkeypatch)
-    prompts = [[(7 * i + 11 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate((40, 3, 70))]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert [len(o.token_ids) for o in outs] == [12, 12, 12]
-    # the 3-token prompt's prefill and every decode step went through the fused call
-    assert fused_rows and max(fused_rows) <= model.fused_decode.max_rows
-    assert 3 in fused_rows or any(r > 1 for r in fused_rows)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i, n in enumerate((40, 70)):
+        eng.add_request(f"long{i}", [(7 * i + 11 * j) % 4000 + 10 for j in range(n)], params)
+    for _ in range(3):  # the two prompts' prefill, then decodes of both
+        eng.step()
+    eng.add_request("short", [5, 6, 7], params)  # its prefill rides along the two decodes
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert sorted(finished) == ["long0", "long1", "short"]
+    assert 2 in fused_rows  # decodes of the two long prompts
+    assert 2 + 3 in fused_rows  # the step that mixed them with the short prompt's prefill
+    assert max(fused_rows) <= model.fused_decode.max_rows
 
 
 def test_steps_past_the_gemvs_rows_stay_in_python(monkeypatch):
