@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import ray
 
+from cluster.cpu_priority import lower_priority
 from cluster.gc_policy import tune_for_serving
 from cluster.specs import NODE_IP, WorkerSpec
 from configs import LoggingConfig, setup_logging
@@ -65,6 +66,7 @@ class RouterActor:
 
         setup_logging(logging_config, component="router")
         tune_for_serving()
+        lower_priority(spec.router.nice)  # before its threads start: they inherit it
         self.router = Router(spec)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)

@@ -53,6 +53,9 @@ class RouterConfig(_Strict):
     max_stop_token_ids: int = Field(64, ge=0, description="stop token ids per request")
     max_request_id_chars: int = Field(128, ge=1, description="a client request id: printable ASCII, no spaces")
     max_timeout_s: float = Field(3600.0, gt=0, description="the longest timeout_s a request may ask for")
+    # On cores it shares with workers (one node), the router yields to their compute
+    # (cluster/cpu_priority.py has why and the figures).
+    nice: int = Field(10, ge=0, le=19, description="the router process's niceness; 0 = leave it as started")
     control_port: int = Field(52001, ge=1, le=65535,
                               description="the `up` process answers `pdserve status` / `pdserve scale` here")
     # The public doors' own protection (README "Security"; router/security.py). An API key, from at
