@@ -48,6 +48,24 @@ def assert_twins_rolled_back(engine: LLMEngine) -> None:
         assert len(draft.page_table) == -(-draft.num_computed_tokens // page_size), request_id
 
 
+def run_shipped(model_dir, speculative: dict, prompts: dict[str, list[int]]) -> tuple[LLMEngine, dict]:
+    """Disaggregated: each prompt prefilled on a plain engine and shipped to a decode engine that
+    speculates with `speculative`, which runs them to the end (its draft twins checked rolled back
+    after every step). Returns the decode engine and its finished outputs by request id."""
+    prefill = make_engine(model_dir)
+    decode = make_engine(model_dir, speculative)
+    outs: dict = {}
+    for rid, ids in prompts.items():
+        first = prefill_and_ship(prefill, decode, rid, ids)
+        assert decode.add_prefilled_request(rid, ids, first, GREEDY) is None
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            if out.finished:
+                outs[out.request_id] = out
+        assert_twins_rolled_back(decode)
+    return decode, outs
+
+
 def run_checked(engine: LLMEngine, arrivals: dict[int, dict[str, list[int]]], params: SamplingParams) -> dict:
     """tests/integration/test_spec_decode.py's `run`, checking the twins after every step."""
     return run(engine, arrivals, params, check=assert_twins_rolled_back)
@@ -126,17 +144,7 @@ def test_decode_worker_recomputes_the_drafts_prompt_kv(loopy_dir, loopy_draft_di
     draft computes its own from the prompt on the first speculating step."""
     prompts = prompts_of(3, 40, seed=61)
     plain = run(make_engine(loopy_dir), {0: dict(prompts)}, GREEDY)
-    prefill = make_engine(loopy_dir)
-    decode = make_engine(loopy_dir, draft_config(loopy_draft_dir))
-    outs: dict = {}
-    for rid, ids in prompts.items():
-        first = prefill_and_ship(prefill, decode, rid, ids)
-        assert decode.add_prefilled_request(rid, ids, first, GREEDY) is None
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outs[out.request_id] = out
-        assert_twins_rolled_back(decode)
+    decode, outs = run_shipped(loopy_dir, draft_config(loopy_draft_dir), prompts)
     for rid in prompts:  # (the first token's log-probability is the prefill side's)
         assert outs[rid].token_ids == plain[rid].token_ids, rid
     accepted = sum(o.num_spec_accepted for o in outs.values())

@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from configs import EngineConfig
 from engine import SamplingParams
 from engine.spec.fallback_proposer import FallbackProposer
-from tests.helpers import assert_no_page_leak, prefill_and_ship
-from tests.integration.test_draft_spec import assert_draft_pages_free, assert_twins_rolled_back
+from tests.helpers import assert_no_page_leak
+from tests.integration.test_draft_spec import assert_draft_pages_free, assert_twins_rolled_back, run_shipped
 from tests.integration.test_spec_decode import GREEDY, assert_hf_greedy, check_same, make_engine, prompts_of, run
 
 HYBRID = "prompt_lookup+draft"
@@ -121,17 +121,7 @@ def test_the_method_needs_a_draft_model():
 def test_on_a_decode_worker_the_prompt_kv_arrives_and_the_draft_recomputes_its_own(loopy_dir, loopy_draft_dir):
     prompts = prompts_of(3, 40, seed=85)
     plain = run(make_engine(loopy_dir), {0: dict(prompts)}, GREEDY)
-    prefill = make_engine(loopy_dir)
-    decode = make_engine(loopy_dir, hybrid_config(loopy_draft_dir))
-    outs: dict = {}
-    for rid, ids in prompts.items():
-        first = prefill_and_ship(prefill, decode, rid, ids)
-        assert decode.add_prefilled_request(rid, ids, first, GREEDY) is None
-    while decode.has_unfinished_requests():
-        for out in decode.step():
-            if out.finished:
-                outs[out.request_id] = out
-        assert_twins_rolled_back(decode)
+    decode, outs = run_shipped(loopy_dir, hybrid_config(loopy_draft_dir), prompts)
     for rid in prompts:
         assert outs[rid].token_ids == plain[rid].token_ids, rid
     assert sum(o.num_spec_accepted for o in outs.values()) > 0
