@@ -32,21 +32,23 @@ class _Products:
     blocked: list[torch.Tensor]
     bias: list[torch.Tensor]  # an empty tensor where the layer has none
     shape: list[int]  # per layer: outputs, block_n, block_k
+    max_rows: int  # the fewest rows any of these layers' packed GEMVs takes
 
 
-def _products(linears: list[ColumnParallelLinear] | list[RowParallelLinear], bias_in_product: bool
-              ) -> _Products | None:
+def _products(linears: list[ColumnParallelLinear] | list[RowParallelLinear]) -> _Products | None:
     blocked: list[torch.Tensor] = []
     bias: list[torch.Tensor] = []
     shape: list[int] = []
+    rows: list[int] = []
     for lin in linears:
         gemv = lin.gemv
         if gemv is None:
             return None
         blocked.append(gemv.blocked)
-        bias.append(lin.bias.data if bias_in_product and lin.bias is not None else torch.empty(0))
+        bias.append(torch.empty(0) if lin.bias is None else lin.bias.data)
         shape += [gemv.out_features, gemv.block_n, gemv.block_k]
-    return _Products(blocked, bias, shape)
+        rows.append(gemv.max_rows)
+    return _Products(blocked, bias, shape, min(rows))
 
 
 class FusedDecodeLayers:
@@ -54,19 +56,18 @@ class FusedDecodeLayers:
     it cannot serve (another backend, tensor parallelism, a weight without a packed GEMV)."""
 
     def __init__(self, model: LlamaForCausalLM, qkv: _Products, o: _Products, gate_up: _Products,
-                 down: _Products, max_rows: int) -> None:
+                 down: _Products) -> None:
         from kernels import cpu_ops
 
         self._ops = cpu_ops
         self._model = model
         self._layers = _layers(model)
+        # qkv's bias goes into its product; o's is added after it (after the all-reduce, under TP),
+        # as RowParallelLinear does; gate_up and down have none
         self._qkv, self._o, self._gate_up, self._down = qkv, o, gate_up, down
-        # o_proj's bias is added after its product (and after the all-reduce, under TP)
-        o_biases = [layer.self_attn.o_proj.bias for layer in self._layers]
-        self._o_bias = [torch.empty(0) if b is None else b.data for b in o_biases]
         self._norms = [w for layer in self._layers
                        for w in (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)]
-        self.max_rows = max_rows  # the fewest rows any layer's packed GEMV takes
+        self.max_rows = min(p.max_rows for p in (qkv, o, gate_up, down))  # the fewest any GEMV takes
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedDecodeLayers | None:
@@ -77,18 +78,11 @@ class FusedDecodeLayers:
         mlp = [layer.mlp for layer in _layers(model)]
         if any(a.qkv_proj.ctx.tp_size != 1 for a in attn):
             return None  # the all-reduces stay in Python
-        products = (
-            _products([a.qkv_proj for a in attn], True),
-            _products([a.o_proj for a in attn], False),
-            _products([m.gate_up_proj for m in mlp], False),
-            _products([m.down_proj for m in mlp], False),
-        )
-        if any(p is None for p in products):
+        qkv, o = _products([a.qkv_proj for a in attn]), _products([a.o_proj for a in attn])
+        gate_up, down = _products([m.gate_up_proj for m in mlp]), _products([m.down_proj for m in mlp])
+        if qkv is None or o is None or gate_up is None or down is None:
             return None
-        gemvs = [lin.gemv for a, m in zip(attn, mlp) for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-        qkv, o, gate_up, down = products
-        assert qkv is not None and o is not None and gate_up is not None and down is not None
-        return FusedDecodeLayers(model, qkv, o, gate_up, down, min(g.max_rows for g in gemvs if g is not None))
+        return FusedDecodeLayers(model, qkv, o, gate_up, down)
 
     def serves(self, batch: ForwardBatch, hidden: torch.Tensor) -> bool:
         """Whether the Python loop would send every product of this step to the packed GEMV and
@@ -107,7 +101,7 @@ class FusedDecodeLayers:
         q, o, gu, d = self._qkv, self._o, self._gate_up, self._down
         return self._ops.decode_layers(
             hidden, residual, self._norms, first.eps,
-            q.blocked, q.bias, q.shape, o.blocked, self._o_bias, o.shape,
+            q.blocked, q.bias, q.shape, o.blocked, o.bias, o.shape,
             gu.blocked, gu.shape, d.blocked, d.shape,
             caches, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
             batch.positions, rope.cos, rope.sin, batch.slot_mapping,
