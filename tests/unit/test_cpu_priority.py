@@ -3,11 +3,14 @@ the cores to workers; each case runs in a child process, since niceness cannot b
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from configs.cluster import RouterConfig
+
+REPO = Path(__file__).resolve().parents[2]
 
 _CHILD = """
 import os, threading
@@ -27,7 +30,7 @@ print(before, after, seen["early"], seen["late"])
 
 
 def _run(nice: int) -> list[int]:
-    out = subprocess.run([sys.executable, "-c", _CHILD], env={"NICE": str(nice), "PYTHONPATH": "."},
+    out = subprocess.run([sys.executable, "-c", _CHILD], env={"NICE": str(nice), "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60, check=True)
     return [int(x) for x in out.stdout.split()]
 
