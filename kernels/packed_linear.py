@@ -55,8 +55,10 @@ def apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> t
 # VDPBF16PS alone it served 1 row (4.7 vs 5.5 ms; slower than oneDNN from 2 rows), which is
 # what a build without AMX tiles keeps. AVX512-BF16 without AMX (blocks of 64 outputs): faster
 # than oneDNN at every row count it serves, 2.85 vs 3.58 ms at 1 row, 3.0 vs 4.8 at 2, 3.2 vs
-# 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5).
-GEMV_MAX_ROWS = {32: 1, 64: 8}  # block_n -> rows, without AMX tiles
+# 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5); from 9 to 32 rows in groups of 6
+# (run_tiled): the 12 layers and the vocabulary projection 4.8-4.9 vs 5.6-5.9 ms at 9 rows,
+# 5.5 vs 6.9-7.1 at 16, 9.1 vs 10.1-10.2 at 32 (another Zen 5, weights streamed from memory).
+GEMV_MAX_ROWS = {32: 1, 64: 32}  # block_n -> rows, without AMX tiles
 AMX_GEMM_ROWS = 32  # rows of the 32 x 32 layout multiplied on AMX tiles
 # Past 32 rows (prefill chunks), the same AMX kernel takes weights with no more outputs than
 # inputs (builtin:small's o and down projections) up to AMX_PREFILL_ROWS rows. oneDNN ran the
