@@ -237,6 +237,25 @@ def test_silu_mul_matches_torch(dtype):
     assert cpu_ops.silu_mul(with_nan)[1, 3].isnan()  # a NaN stays NaN, never a number
 
 
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 4, 64), (8, 8, 32), (8, 2, 128), (4, 2, 80)])
+def test_bf16_decodes_over_whole_key_blocks_match_reference(page_size, num_heads, num_kv_heads, head_dim):
+    """bf16 decode tokens whose pages hold whole blocks of 16 keys (scored 16 at a time on
+    512-bit VDPBF16PS where the CPU has it and head_dim is a multiple of 32) and ragged last
+    pages (the 8-key path): the oracle's result, and no further from fp32 on the same inputs
+    than bf16 rounding of the output. Group sizes 3, 1, 4 and 2 rows per KV head."""
+    gen = torch.Generator().manual_seed(head_dim + page_size)
+    ctx_lens = [1, 15, 16, 17, 33, 200, 531]
+    query, k_cache, v_cache, table, starts, lens = _paged_batch(
+        [1] * len(ctx_lens), ctx_lens, page_size, num_heads, num_kv_heads, head_dim, torch.bfloat16, gen)
+    scale = head_dim**-0.5
+    got = cpu_ops.paged_attention(query, k_cache, v_cache, table, starts, lens, scale)
+    want = _oracle(query, k_cache, v_cache, table, starts, lens, len(ctx_lens), scale)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.bfloat16])
+    exact = _oracle(query.float(), k_cache.float(), v_cache.float(), table, starts, lens, len(ctx_lens), scale)
+    assert (got.float() - exact).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_only_entry_matches_reference(dtype):
     """cpu_ops.paged_decode_attention: the decodes of a step whose prefill chunks go to SDPA."""
