@@ -57,8 +57,10 @@ def apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> t
 # than oneDNN at every row count it serves, 2.85 vs 3.58 ms at 1 row, 3.0 vs 4.8 at 2, 3.2 vs
 # 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5); from 9 to 32 rows in groups of 6
 # (run_tiled): the 12 layers and the vocabulary projection 4.8-4.9 vs 5.6-5.9 ms at 9 rows,
-# 5.5 vs 6.9-7.1 at 16, 9.1 vs 10.1-10.2 at 32 (another Zen 5, weights streamed from memory).
-GEMV_MAX_ROWS = {32: 1, 64: 32}  # block_n -> rows, without AMX tiles
+# 5.5 vs 6.9-7.1 at 16, 9.1 vs 10.1-10.2 at 32, 12.6-13.8 vs 14.2-14.9 at 48, 17.4-17.8 vs
+# 16.9-17.5 at 64 (another Zen 5, weights streamed from memory): taken up to 64 rows, where it
+# is as fast, so that decode steps of up to 64 sequences run their layers in one call.
+GEMV_MAX_ROWS = {32: 1, 64: 64}  # block_n -> rows, without AMX tiles
 AMX_GEMM_ROWS = 32  # rows of the 32 x 32 layout multiplied on AMX tiles
 # Past 32 rows (prefill chunks), the same AMX kernel takes weights with no more outputs than
 # inputs (builtin:small's o and down projections) up to AMX_PREFILL_ROWS rows. oneDNN ran the

@@ -111,13 +111,15 @@ void run(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t k
 // memory, the others find it in L1, and each group prefetches its share of the next chunk into
 // L2 meanwhile. A row's fp32 sums wait in `acc` between chunks; each output still adds its input
 // pairs in order 0, 1, 2, ..., as `block` does, so both kernels give the same bits for a row.
-// Why: from 9 to 32 rows (decode batches) oneDNN ran these products at 0.5-0.65 of the
+// Why: from 9 to 64 rows (decode batches) oneDNN ran these products at 0.5-0.75 of the
 // VDPBF16PS peak once the weights stream from memory, and the engine's step ran its layers in
 // Python because this kernel took no more than 8 rows. builtin:small's 12 layers and vocabulary
 // projection, 2 Zen 5 cores: 9 rows 4.8-4.9 ms against oneDNN's 5.6-5.9, 16 rows 5.5 against
 // 6.9-7.1, 32 rows 9.1 against 10.1-10.2 (in chunks of 128 pairs, with or without the prefetch,
-// 9.4-9.9); one layer's weight hot in cache, ~900 GFLOP/s at 32 rows against oneDNN's 830.
-constexpr int kMaxTiledRows = 32;
+// 9.4-9.9), 48 rows 12.6-13.8 against 14.2-14.9, 64 rows 17.4-17.8 against 16.9-17.5 (as fast:
+// taken for the layers in one call); one layer's weight hot in cache, ~900 GFLOP/s at 32 rows
+// against oneDNN's 830.
+constexpr int kMaxTiledRows = 64;
 constexpr int kGroupRows = 6;
 constexpr int64_t kChunkPairs = 64;
 

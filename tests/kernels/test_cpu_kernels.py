@@ -318,12 +318,12 @@ def test_packed_gemv_reads_onednns_layout_in_place(shape):
     _, gemv = _gemv_or_skip(weight)
     from kernels import packed_linear
 
-    # Every row count up to 8 (the register kernel), up to 32 (in row groups without AMX, every
-    # group size 1-6 among them; on AMX tiles one A tile or two); and for weights it takes
+    # Every row count up to 8 (the register kernel), up to 64 (in row groups without AMX, every
+    # group size 1-6 among them) or 32 (on AMX tiles: one A tile or two); and for weights it takes
     # prefill rows of on AMX (no more outputs than inputs), 32-row blocks with a ragged last
     # one, across 128-row chunks.
-    prefill = (33, 100, 129, 300) if gemv.max_rows > packed_linear.AMX_GEMM_ROWS else ()
-    for rows in sorted({*range(1, 14), 15, 16, 17, 25, 31, gemv.max_rows, *prefill}):
+    prefill = (33, 100, 129, 300) if gemv.block_n == 32 and gemv.max_rows > packed_linear.AMX_GEMM_ROWS else ()
+    for rows in sorted({*range(1, 14), 15, 16, 17, 25, 31, 32, 33, 47, gemv.max_rows, *prefill}):
         x = torch.randn(rows, shape[1], generator=gen).to(torch.bfloat16)
         for bias in (None, torch.randn(shape[0], generator=gen).to(torch.bfloat16)):
             want = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
@@ -331,9 +331,9 @@ def test_packed_gemv_reads_onednns_layout_in_place(shape):
             assert got.dtype == torch.bfloat16 and got.shape == (rows, shape[0])
             torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     if gemv.block_n == 64:  # the vector kernels: a fixed most rows
-        assert gemv.max_rows == 32
-        with pytest.raises(RuntimeError, match="serves 1 to 32 rows here without AMX"):
-            gemv(torch.zeros(33, shape[1], dtype=torch.bfloat16), None)
+        assert gemv.max_rows == 64
+        with pytest.raises(RuntimeError, match="serves 1 to 64 rows here without AMX"):
+            gemv(torch.zeros(65, shape[1], dtype=torch.bfloat16), None)
     else:
         assert gemv.max_rows == (packed_linear.AMX_PREFILL_ROWS if shape[0] <= shape[1] else 32)
 
@@ -349,7 +349,7 @@ def test_packed_gemv_row_groups_give_the_register_kernels_bits():
     x = torch.randn(gemv.max_rows, 2048, generator=gen).to(torch.bfloat16)
     bias = torch.randn(128, generator=gen).to(torch.bfloat16)
     alone = torch.cat([gemv(x[r:r + 1], bias) for r in range(x.shape[0])])
-    for rows in (9, 20, gemv.max_rows):
+    for rows in (9, 20, 33, gemv.max_rows):
         assert torch.equal(gemv(x[:rows], bias), alone[:rows])
 
 
@@ -381,7 +381,7 @@ def _count_gemv_rows(layer) -> list[int]:
 
 
 def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
-    """Up to 32 rows on AMX tiles and where oneDNN packs for AVX512-BF16 alone, one row on the
+    """Up to 32 rows on AMX tiles, 64 where oneDNN packs for AVX512-BF16 alone, one row on the
     AMX layout without AMX tiles (kernels/packed_linear.py max_rows); oneDNN multiplies the rest."""
     from engine.model.layers import ColumnParallelLinear, ParallelContext, linear, pack_weight
     from kernels import packed_linear
@@ -393,9 +393,9 @@ def test_engine_linear_takes_the_packed_gemv_up_to_its_layouts_rows():
     assert pack_weight(layer) and layer.gemv is not None
     real = layer.gemv
     assert real.max_rows == packed_linear.max_rows(real.block_n, real.block_k, 128, 64) in (
-        1, packed_linear.AMX_GEMM_ROWS)
+        1, packed_linear.AMX_GEMM_ROWS, packed_linear.GEMV_MAX_ROWS[64])
     calls = _count_gemv_rows(layer)
-    row_counts = (1, 2, 5, 8, 9, 32, 33)
+    row_counts = (1, 2, 5, 8, 9, 32, 33, 64, 65)
     for rows in row_counts:
         x = torch.randn(rows, 64).to(torch.bfloat16)
         want = torch.nn.functional.linear(x.float(), plain.float())
