@@ -55,11 +55,11 @@ def apply(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> t
 # VDPBF16PS alone it served 1 row (4.7 vs 5.5 ms; slower than oneDNN from 2 rows), which is
 # what a build without AMX tiles keeps. AVX512-BF16 without AMX (blocks of 64 outputs): faster
 # than oneDNN at every row count it serves, 2.85 vs 3.58 ms at 1 row, 3.0 vs 4.8 at 2, 3.2 vs
-# 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5); from 9 to 32 rows in groups of 6
-# (run_tiled): the 12 layers and the vocabulary projection 4.8-4.9 vs 5.6-5.9 ms at 9 rows,
-# 5.5 vs 6.9-7.1 at 16, 9.1 vs 10.1-10.2 at 32, 12.6-13.8 vs 14.2-14.9 at 48, 17.4-17.8 vs
-# 16.9-17.5 at 64 (another Zen 5, weights streamed from memory): taken up to 64 rows, where it
-# is as fast, so that decode steps of up to 64 sequences run their layers in one call.
+# 4.2 at 4, 4.0 vs 5.0 at 8 (the same 12 layers, Zen 5); from 9 to 64 rows in groups of 6
+# (run_tiled): the 12 layers and the vocabulary projection 4.5 vs 5.7 ms at 9 rows, 4.9-5.0 vs
+# 6.7-6.9 at 16, 7.9-8.0 vs 10.0-10.7 at 32, 10.8 vs 13.2 at 48, 15.2-15.9 vs 16.6-17.2 at 64
+# (another Zen 5, weights streamed from memory), so decode steps of up to 64 sequences run
+# their layers in one call.
 GEMV_MAX_ROWS = {32: 1, 64: 64}  # block_n -> rows, without AMX tiles
 AMX_GEMM_ROWS = 32  # rows of the 32 x 32 layout multiplied on AMX tiles
 # Past 32 rows (prefill chunks), the same AMX kernel takes weights with no more outputs than

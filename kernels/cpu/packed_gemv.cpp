@@ -114,11 +114,13 @@ void run(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t k
 // Why: from 9 to 64 rows (decode batches) oneDNN ran these products at 0.5-0.75 of the
 // VDPBF16PS peak once the weights stream from memory, and the engine's step ran its layers in
 // Python because this kernel took no more than 8 rows. builtin:small's 12 layers and vocabulary
-// projection, 2 Zen 5 cores: 9 rows 4.8-4.9 ms against oneDNN's 5.6-5.9, 16 rows 5.5 against
-// 6.9-7.1, 32 rows 9.1 against 10.1-10.2 (in chunks of 128 pairs, with or without the prefetch,
-// 9.4-9.9), 48 rows 12.6-13.8 against 14.2-14.9, 64 rows 17.4-17.8 against 16.9-17.5 (as fast:
-// taken for the layers in one call); one layer's weight hot in cache, ~900 GFLOP/s at 32 rows
-// against oneDNN's 830.
+// projection, 2 Zen 5 cores, weights streamed from memory: 9 rows 4.5 ms against oneDNN's 5.7,
+// 16 rows 4.9-5.0 against 6.7-6.9, 32 rows 7.9-8.0 against 10.0-10.7, 48 rows 10.8 against 13.2,
+// 64 rows 15.2-15.9 against 16.6-17.2. The prefetch matters: spread evenly over a group's pairs
+// (the last lines asked for just before the next chunk needs them) 32 rows took 9.9 ms and 64
+// rows 17.4-18.2; asked for from the group's first pairs on, as here, 7.9 and 15.2-15.9 (the
+// same loop, alternating). One layer's weight hot in cache: ~900 GFLOP/s at 32 rows against
+// oneDNN's 830.
 constexpr int kMaxTiledRows = 64;
 constexpr int kGroupRows = 6;
 constexpr int64_t kChunkPairs = 64;
@@ -131,11 +133,11 @@ inline void group_chunk(const uint16_t* block_w, const uint16_t* x, int64_t ldx,
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) a[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * NB + 16 * v);
-  for (int64_t j = j0; j < j1; ++j) {
-    // This group's share of the next chunk, spread over its pairs, into L2 (current and next
-    // chunk together would not fit L1).
-    for (int64_t line = (j - j0) * prefetch_lines / (j1 - j0), stop = (j + 1 - j0) * prefetch_lines / (j1 - j0);
-         line < stop; ++line)
+  // This group's share of the next chunk, `per_pair` lines with each pair, into L2 (current
+  // and next chunk together would not fit L1).
+  const int64_t per_pair = (prefetch_lines + (j1 - j0) - 1) / (j1 - j0);
+  for (int64_t j = j0, line = 0; j < j1; ++j) {
+    for (const int64_t stop = std::min(prefetch_lines, line + per_pair); line < stop; ++line)
       _mm_prefetch(prefetch + line * 64, _MM_HINT_T1);
     __m512bh wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(block_w + j * 2 * NB + 32 * v);
@@ -163,20 +165,20 @@ void run_tiled(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t m, int
       const uint16_t* block_w = w + ob * k * NB;
       for (int64_t j0 = 0; j0 < pairs; j0 += kChunkPairs) {
         const int64_t j1 = std::min(pairs, j0 + kChunkPairs);
+        // Every group fetches its share of the next chunk (or block: blocks lie one after
+        // another) while it computes on this one, so the next chunk's first group finds it in cache.
+        const int64_t next_pairs =
+            j1 < pairs ? std::min(kChunkPairs, pairs - j1) : (ob + 1 < end ? std::min(kChunkPairs, pairs) : 0);
+        const int64_t lines = next_pairs * 2 * NB * 2 / 64, share = lines / groups;
+        const char* next = reinterpret_cast<const char*>(block_w + j1 * 2 * NB);
         for (int64_t g = 0, r0 = 0; g < groups; ++g) {
           const int64_t rows = m / groups + (g < m % groups ? 1 : 0);
           const uint16_t* xg = x + r0 * ldx;
           float* ag = acc + r0 * NB;
-          // Every group fetches its share of the next chunk (or block) while it computes on this
-          // one, so the next chunk's first group finds it in cache.
-          const int64_t next_pairs =
-              j1 < pairs ? std::min(kChunkPairs, pairs - j1) : (ob + 1 < end ? std::min(kChunkPairs, pairs) : 0);
-          const int64_t lines = next_pairs * 2 * NB * 2 / 64, share = lines / groups;
-          const char* next = reinterpret_cast<const char*>(block_w + j1 * 2 * NB) + g * share * 64;
           const int64_t my_lines = g + 1 == groups ? lines - g * share : share;
           switch (rows) {
 #define PDSERVE_GROUP(R) \
-  case R: group_chunk<R, NB>(block_w, xg, ldx, j0, j1, ag, j0 == 0, next, my_lines); break;
+  case R: group_chunk<R, NB>(block_w, xg, ldx, j0, j1, ag, j0 == 0, next + g * share * 64, my_lines); break;
             PDSERVE_GROUP(1) PDSERVE_GROUP(2) PDSERVE_GROUP(3) PDSERVE_GROUP(4) PDSERVE_GROUP(5) PDSERVE_GROUP(6)
 #undef PDSERVE_GROUP
           }

@@ -240,10 +240,10 @@ def test_silu_mul_matches_torch(dtype):
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 4, 64), (8, 8, 32), (8, 2, 128), (4, 2, 80)])
 def test_bf16_decodes_over_whole_key_blocks_match_reference(page_size, num_heads, num_kv_heads, head_dim):
-    """bf16 decode tokens whose pages hold whole blocks of 16 keys (scored 16 at a time on
-    512-bit VDPBF16PS where the CPU has it and head_dim is a multiple of 32) and ragged last
-    pages (the 8-key path): the oracle's result, and no further from fp32 on the same inputs
-    than bf16 rounding of the output. Group sizes 3, 1, 4 and 2 rows per KV head."""
+    """bf16 decode tokens over whole pages of 16 or 32 keys and ragged last pages (the decode
+    path's 8-key blocks and its key-by-key tail): the oracle's result, and no further from fp32
+    on the same inputs than bf16 rounding of the output. Group sizes 3, 1, 4 and 2 rows per KV
+    head; head_dim 80 is no multiple of 32."""
     gen = torch.Generator().manual_seed(head_dim + page_size)
     ctx_lens = [1, 15, 16, 17, 33, 200, 531]
     query, k_cache, v_cache, table, starts, lens = _paged_batch(
