@@ -25,7 +25,8 @@ import torch
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp", "fused_ops.cpp",
-                                                "packed_gemv.cpp", "decode_layers.cpp")]
+                                                "packed_gemv.cpp", "decode_layers.cpp",
+                                                "greedy_steps.cpp")]
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)  # the head sizes the kernel is compiled for
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -161,6 +162,12 @@ def decode_layers(*args: object) -> torch.Tensor:
     """A step's decoder layers over packed GEMVs in one call (kernels/cpu/decode_layers.cpp; its
     arguments are laid out by engine/model/fused_decode.py, the one caller)."""
     return _require().decode_layers(*args)
+
+
+def greedy_steps(*args: object) -> torch.Tensor:
+    """A draft's greedy one-token steps, each feeding the previous argmax, in one call
+    (kernels/cpu/greedy_steps.cpp; its arguments are laid out by engine/spec/fused_draft.py)."""
+    return _require().greedy_steps(*args)
 
 
 def _require() -> ModuleType:

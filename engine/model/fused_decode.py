@@ -95,18 +95,21 @@ class FusedDecodeLayers:
                  rope: RotaryEmbedding) -> torch.Tensor:
         """hidden: layer 0's normed input; residual: added into in place. Returns the last
         layer's MLP output, as the Python loop leaves `hidden` before the final residual add."""
-        first = self._layers[0].input_layernorm
-        caches = [c for layer in self._layers for c in kv_cache.layer(layer.self_attn.layer_id)]
-        attn = self._layers[0].self_attn
-        q, o, gu, d = self._qkv, self._o, self._gate_up, self._down
         return self._ops.decode_layers(
-            hidden, residual, self._norms, first.eps,
-            q.blocked, q.bias, q.shape, o.blocked, o.bias, o.shape,
-            gu.blocked, gu.shape, d.blocked, d.shape,
-            caches, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            hidden, residual, *self.layer_args(kv_cache),
             batch.positions, rope.cos, rope.sin, batch.slot_mapping,
             batch.page_table, batch.query_start_loc, batch.context_lens,
         )
+
+    def layer_args(self, kv_cache: KVCache) -> tuple:
+        """decode_layers' arguments from its norms to its attention scale: the layers' weights
+        and `kv_cache`'s pages (kernels/cpu/greedy_steps.cpp takes them in the same order)."""
+        caches = [c for layer in self._layers for c in kv_cache.layer(layer.self_attn.layer_id)]
+        attn = self._layers[0].self_attn
+        q, o, gu, d = self._qkv, self._o, self._gate_up, self._down
+        return (self._norms, self._layers[0].input_layernorm.eps,
+                q.blocked, q.bias, q.shape, o.blocked, o.bias, o.shape, gu.blocked, gu.shape, d.blocked, d.shape,
+                caches, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale)
 
 
 def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:

@@ -19,12 +19,18 @@ from engine.sequence import Sequence
 
 def first_decode_batch(seqs: list[Sequence], page_size: int, device: torch.device) -> ForwardBatch:
     """One-token decodes of each sequence's last token (its KV not yet computed), pages already held."""
+    return _decode_batch(*decode_inputs(seqs), page_size, device)
+
+
+def decode_inputs(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, positions, page_table) of first_decode_batch's decodes: each sequence's first
+    token without KV, its position, and its pages padded to the longest row."""
     max_pages = max(len(seq.page_table) for seq in seqs)
     page_table = torch.tensor([seq.page_table + [0] * (max_pages - len(seq.page_table)) for seq in seqs],
                               dtype=torch.int32)  # [num_seqs, max_pages]
     positions = torch.tensor([seq.num_computed_tokens for seq in seqs], dtype=torch.int64)  # [num_seqs]
     input_ids = torch.tensor([seq.token_ids[seq.num_computed_tokens] for seq in seqs], dtype=torch.int64)
-    return _decode_batch(input_ids, positions, page_table, page_size, device)
+    return input_ids, positions, page_table
 
 
 def next_decode_batch(prev: ForwardBatch, input_ids: torch.Tensor, keep: torch.Tensor | None,

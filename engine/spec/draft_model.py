@@ -26,6 +26,7 @@ from engine.model_runner import ModelRunner
 from engine.page_manager import PageManager
 from engine.parallel.model_shard import attention_backend
 from engine.parallel.shard_executor import LocalExecutor
+from engine.spec.fused_draft import FusedDraftSteps
 
 
 @dataclass
@@ -41,6 +42,10 @@ class DraftModel:
     @property
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
+
+    def fused_steps(self) -> FusedDraftSteps | None:
+        """The compiled loop for greedy follow-up steps, where it serves this draft."""
+        return FusedDraftSteps.build(self)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] -> [rows, vocab] float32 on CPU; past `head`'s rows, -inf (never guessed)."""

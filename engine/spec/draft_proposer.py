@@ -11,7 +11,9 @@ draft_model.py) holding the same tokens, whose KV the draft computes. One `propo
      catch-up per call is capped at the engine's token budget, so a long prompt is chunked over
      steps and proposes nothing until done) and takes the argmax after each sequence's last token;
   3. k - 1 more draft decode steps, each feeding the previous guess, for the twins that want more
-     (their batches derived from the previous one's tensors: engine/spec/draft_decode.py).
+     (their batches derived from the previous one's tensors: engine/spec/draft_decode.py; where
+     they are all greedy and the draft's layers run in one call, the steps all go to one compiled
+     call instead: engine/spec/fused_draft.py, the same guesses).
 The twin then holds KV for the sequence's tokens and the first k - 1 guesses. `on_verified`
 rolls it back to the accepted ones and frees the pages past them; `release` frees all of the
 twin's pages when the sequence finishes, aborts or is preempted.
@@ -35,7 +37,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.spec.draft_decode import first_decode_batch, next_decode_batch
+from engine.spec.draft_decode import decode_inputs, first_decode_batch, next_decode_batch
 from engine.spec.draft_model import DraftModel
 from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
 from engine.spec.rejection import target_probs
@@ -60,6 +62,7 @@ class DraftModelProposer(BaseProposer):
         self.page_size = draft.page_manager.page_size
         self.max_catch_up_tokens = max_catch_up_tokens
         self.twins: dict[str, DraftTwin] = {}  # by request id
+        self.fused_steps = draft.fused_steps()  # None: the follow-up steps run in Python
 
     # -- the proposer interface -----------------------------------------------------------------
     def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
@@ -101,6 +104,9 @@ class DraftModelProposer(BaseProposer):
                 if not rows:
                     break
                 live_next = [live[row] for row in rows]
+                if batch is None and self._fused_serves(live_next):
+                    self._guess_fused(live_next, index_of, guesses, wants)
+                    break
                 if batch is None:
                     batch = first_decode_batch(live_next, self.page_size, runner.device)
                 else:
@@ -133,6 +139,23 @@ class DraftModelProposer(BaseProposer):
                 seq.token_ids.append(token)
                 more.append(row)
         return more
+
+    def _fused_serves(self, seqs: list[Sequence]) -> bool:
+        fused = self.fused_steps
+        return fused is not None and fused.serves(len(seqs)) and all(seq.params.greedy for seq in seqs)
+
+    def _guess_fused(self, seqs: list[Sequence], index_of: dict[int, int], guesses: dict[int, list[int]],
+                     wants: dict[int, int]) -> None:
+        """The rest of each twin's guesses in one compiled call (engine/spec/fused_draft.py): what
+        the loop in `propose` makes of them, guesses, fed tokens and KV alike."""
+        assert self.fused_steps is not None
+        remaining = [wants[index_of[id(seq)]] - len(guesses[index_of[id(seq)]]) for seq in seqs]
+        out = self.fused_steps(*decode_inputs(seqs), torch.tensor(remaining, dtype=torch.int64)).tolist()
+        for col, (seq, n) in enumerate(zip(seqs, remaining)):
+            new = [row[col] for row in out[:n]]
+            guesses[index_of[id(seq)]] += new
+            seq.token_ids += new[:-1]  # every guess but the last is fed back, its KV computed
+            seq.num_computed_tokens += n
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         """The first `num_accepted` guesses are the sequence's now: keep their KV, drop the rest."""
