@@ -34,7 +34,7 @@ class FusedDraftSteps:
         self._ops = cpu_ops
         self._model = model
         self._layer_args = model.fused_decode.layer_args(draft.kv_cache)
-        self._first_norm = model.layers[0].input_layernorm.weight.data
+        self._first_norm = self._layer_args[0][0]  # the norms, layer by layer: layer 0's input norm first
         self._head = head  # the projection, its outputs, block_n, block_k (0, 0: a plain weight)
         self.page_size = draft.runner.page_size
         self.max_rows = max_rows
