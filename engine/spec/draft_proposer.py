@@ -11,9 +11,10 @@ draft_model.py) holding the same tokens, whose KV the draft computes. One `propo
      catch-up per call is capped at the engine's token budget, so a long prompt is chunked over
      steps and proposes nothing until done) and takes the argmax after each sequence's last token;
   3. k - 1 more draft decode steps, each feeding the previous guess, for the twins that want more
-     (their batches derived from the previous one's tensors: engine/spec/draft_decode.py; where
-     they are all greedy and the draft's layers run in one call, the steps all go to one compiled
-     call instead: engine/spec/fused_draft.py, the same guesses).
+     (their batches derived from the previous one's tensors: engine/spec/draft_decode.py).
+Where the twins are all greedy and the draft's layers run in one call, steps 3 (and 2 too, when
+every catch-up is a single token, as after each verification) go to one compiled call instead:
+engine/spec/fused_draft.py, the same guesses and KV.
 The twin then holds KV for the sequence's tokens and the first k - 1 guesses. `on_verified`
 rolls it back to the accepted ones and frees the pages past them; `release` frees all of the
 twin's pages when the sequence finishes, aborts or is preempted.
@@ -91,7 +92,12 @@ class DraftModelProposer(BaseProposer):
                 wants[i], guesses[i] = k, []
         # Catch-up step (built by the runner: prompt chunks and decodes), then one decode step per
         # further guess over the twins still guessing, each batch derived from the last one.
-        if step:
+        twins = [s.seq for s in step]
+        if step and all(s.num_new_tokens == 1 for s in step) and len(wants) == len(step) and self._fused_serves(twins):
+            # Every catch-up is one token (the target's own after a verification): it is the
+            # compiled call's first step, so the whole proposal is one call.
+            self._guess_fused(twins, index_of, guesses, wants)
+        elif step:
             runner = self.draft.runner
             hidden, sampled = runner.execute_hidden(step)
             logits = self.draft.logits(hidden)
