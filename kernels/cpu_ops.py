@@ -128,6 +128,12 @@ def amx_attention_supported() -> bool:
     return _require().amx_attention_supported()
 
 
+def shared_prefix_attention_supported() -> bool:
+    """Whether `paged_attention` attends bf16 decode tokens sharing cached prefix pages as one group
+    (kernels/cpu/shared_prefix.h): built for a CPU with AVX512-BF16 (AMX tiles where granted)."""
+    return _require().shared_prefix_attention_supported()
+
+
 def packed_gemv_amx_supported() -> bool:
     """Whether `packed_gemv` multiplies 2-32 rows over the 32 x 32 layout on AMX tiles."""
     return _require().packed_gemv_amx_supported()

@@ -13,6 +13,7 @@ void rotary_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torc
 torch::Tensor silu_mul(torch::Tensor gate_up);
 bool packed_gemv_supported();
 bool amx_attention_supported();
+bool shared_prefix_attention_supported();
 bool packed_gemv_amx_supported();
 torch::Tensor packed_gemv(torch::Tensor x, torch::Tensor blocked, int64_t n, c10::optional<torch::Tensor> bias,
                           int64_t block_n, int64_t block_k);
@@ -47,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] row");
   m.def("packed_gemv_supported", &packed_gemv_supported, "whether packed_gemv was built (AVX512-BF16)");
   m.def("amx_attention_supported", &amx_attention_supported, "whether bf16 prefill tiles run on AMX (built with AMX, and the OS grants it)");
+  m.def("shared_prefix_attention_supported", &shared_prefix_attention_supported, "whether bf16 decodes sharing cached prefix pages are attended as one group (AVX512-BF16 or AMX)");
   m.def("packed_gemv_amx_supported", &packed_gemv_amx_supported, "whether packed_gemv multiplies 2-32 rows on AMX tiles (32 x 32 layout)");
   m.def("decode_layers", &decode_layers, "a step's decoder layers over packed GEMVs in one call (engine/model/fused_decode.py)");
   m.def("greedy_steps", &greedy_steps, "a draft's greedy one-token steps, each feeding the last argmax, in one call (engine/spec/fused_draft.py)");

@@ -28,7 +28,7 @@
 #include "vec.h"
 #include "prefill_tile_bf16.h"
 #include "prefill_tile_amx.h"
-#include "shared_prefix_amx.h"
+#include "shared_prefix.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -71,7 +71,7 @@ struct Item {
 };
 
 // Decode tokens whose page tables begin with the same `keys / page_size` pages (a cached
-// prefix), attended on AMX as shared_prefix_amx.h describes; members are their tiles.
+// prefix), attended as shared_prefix.h describes; members are their tiles.
 struct SharedPrefix {
   std::vector<Item> members;
   int64_t keys = 0;
@@ -482,6 +482,9 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
     amx_keys = amx_rearrange<NV * 8>(items, kc, vc, table, page_table.size(1), k_cache.size(1), kv_heads, lens,
                                      amx_slot);
   const bool amx = !amx_keys.empty();
+  const bool shared_amx = !shared.empty() && pdserve::amx_ready();  // the groups' products on AMX tiles
+#else
+  constexpr bool shared_amx = false;
 #endif
   const int64_t page_size = k_cache.size(1), table_stride = page_table.size(1);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -494,27 +497,27 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
 #endif
 #if PDSERVE_TILE_AMX
     pdserve::AmxScratch amx_scratch;
-    if (amx || !shared.empty()) pdserve::configure_attention_tiles();
+    if (amx || shared_amx) pdserve::configure_attention_tiles();
 #endif
-#if PDSERVE_SHARED_PREFIX_AMX
+#if PDSERVE_SHARED_PREFIX
     pdserve::SharedPrefixScratch prefix_scratch;
     pdserve::PartialAttention prefix;
     std::vector<int64_t> q_tokens;
 #endif
     for (int64_t i = next++; i < num_items; i = next++) {
       const Item& item = items[i];
-#if PDSERVE_SHARED_PREFIX_AMX
+#if PDSERVE_SHARED_PREFIX
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (NV * 8) % 32 == 0) {
-        if (item.shared >= 0) {  // KV heads of a shared prefix's group (shared_prefix_amx.h)
+        if (item.shared >= 0) {  // KV heads of a shared prefix's group (shared_prefix.h)
           constexpr int D = NV * 8;
           const SharedPrefix& sp = shared[item.shared];
           for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h) {
             q_tokens.clear();
             for (const Item& m : sp.members) q_tokens.push_back(m.q_begin);
-            pdserve::attend_shared_prefix_amx<D>(q, query.stride(0), query.stride(1), q_tokens.data(),
-                                                 static_cast<int64_t>(q_tokens.size()), group, h, kc, vc,
-                                                 table + sp.members[0].seq * table_stride, page_size, kv_heads,
-                                                 sp.keys, static_cast<float>(scale), prefix_scratch, prefix);
+            pdserve::attend_shared_prefix<D>(q, query.stride(0), query.stride(1), q_tokens.data(),
+                                             static_cast<int64_t>(q_tokens.size()), group, h, kc, vc,
+                                             table + sp.members[0].seq * table_stride, page_size, kv_heads,
+                                             sp.keys, static_cast<float>(scale), shared_amx, prefix_scratch, prefix);
             for (size_t m = 0; m < sp.members.size(); ++m)
               attend_item<scalar_t, NV>({sp.members[m].seq, sp.members[m].q_begin, sp.members[m].q_end, h}, q,
                                         query.stride(0), query.stride(1), kc, vc, table, table_stride, starts, lens, o,
@@ -555,12 +558,12 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
                                   static_cast<float>(scale), qf, scores, acc, limits, page_f);
     }
 #if PDSERVE_TILE_AMX
-    if (amx || !shared.empty()) _tile_release();
+    if (amx || shared_amx) _tile_release();
 #endif
   });
 }
 
-// Fewest members and shared keys for which a group is attended as one (shared_prefix_amx.h):
+// Fewest members and shared keys for which a group is attended as one (shared_prefix.h):
 // below them the decode path's grouping by first page (see paged_attention) does as well.
 constexpr size_t kMinSharers = 2;
 constexpr int64_t kMinSharedKeys = 64;
@@ -649,13 +652,14 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
     for (int64_t q0 = starts[b]; q0 < starts[b + 1]; q0 += kQTile)
       tiles.push_back({b, q0, std::min<int64_t>(q0 + kQTile, starts[b + 1])});
   }
-  // Decode tokens sharing a cached prefix: attended as groups on AMX where it can (bf16, head
-  // dims in 32s, pages of whole 16-token tiles), one item per group and KV head, ahead of the
-  // rest. 32 decodes x 1,224 tokens over 8 shared 1,024-token prefixes, 12 layers, bf16, 2
-  // threads (benchmarks/decode_attention.py, Sapphire Rapids-class): 20.9-21.2 -> 14.6 ms a step.
+  // Decode tokens sharing a cached prefix: attended as groups where it can (bf16 on AMX or
+  // AVX512-BF16, head dims in 32s, pages of whole 16-token tiles), one item per group and KV
+  // head, ahead of the rest. 32 decodes x 1,224 tokens over 8 shared 1,024-token prefixes, 12
+  // layers, bf16, 2 threads (benchmarks/decode_attention.py, Sapphire Rapids-class, on AMX):
+  // 20.9-21.2 -> 14.6 ms a step.
   std::vector<SharedPrefix> shared;
-#if PDSERVE_SHARED_PREFIX_AMX && PDSERVE_TILE_AMX
-  if (query.scalar_type() == at::kBFloat16 && head_dim % 32 == 0 && page_size % 16 == 0 && pdserve::amx_ready())
+#if PDSERVE_SHARED_PREFIX
+  if (query.scalar_type() == at::kBFloat16 && head_dim % 32 == 0 && page_size % 16 == 0)
     shared = take_shared_prefixes(tiles, page_table.data_ptr<int32_t>(), page_table.size(1), lens, page_size);
 #endif
   // Longest tiles (most keys) first, so the tail of the counter holds the cheap ones. Decode
@@ -718,6 +722,10 @@ at::Tensor paged_attention(at::Tensor query, at::Tensor k_cache, at::Tensor v_ca
     }
   });
   return out;
+}
+
+bool shared_prefix_attention_supported() {
+  return PDSERVE_SHARED_PREFIX != 0;
 }
 
 bool amx_attention_supported() {

@@ -62,10 +62,9 @@ void score_rows(const uint32_t* const* q, const uint32_t* kt, int64_t num_blocks
 }
 
 // acc[r] = sum_t p[r][t] v_t over blocks [0, num_blocks) for R rows (NV vectors of 16 head dims
-// each), two tokens per instruction; writes out_r = acc[r] * inv_sum[r] in bf16.
-template <int D, int R>
-void accumulate_rows(const uint16_t* probs, int64_t row_len, const uint16_t* vi, int64_t num_blocks,
-                     const float* inv_sum, c10::BFloat16* const* out) {
+// each), two tokens per instruction; hands each row's vectors to store(r, c, acc[r][c]).
+template <int D, int R, typename Store>
+void accumulate_rows(const uint16_t* probs, int64_t row_len, const uint16_t* vi, int64_t num_blocks, Store&& store) {
   constexpr int NV = D / 16;
   __m512 acc[R][NV];
   for (int r = 0; r < R; ++r)
@@ -83,13 +82,13 @@ void accumulate_rows(const uint16_t* probs, int64_t row_len, const uint16_t* vi,
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-    for (int c = 0; c < NV; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) store(r, c, acc[r][c]);
 }
+
+// Rows per accumulate_rows call: R rows x D/16 vectors of accumulators fill 24 registers.
+template <int D>
+constexpr int kValueRowsFor = std::max(1, 24 / (D / 16));
 
 // Calls f(std::integral_constant<int, R>) for a runtime R in [1, kMax] (the row-block tails).
 template <int kMax, typename F>
@@ -172,7 +171,7 @@ void attend_tile_bf16(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_he
                       const c10::BFloat16* v_cache, const int32_t* pages, int64_t page_size, int64_t kv_heads,
                       c10::BFloat16* out, float scale, TileScratch& s) {
   constexpr int kScoreRows = 12;  // 12 accumulators cover VDPBF16PS's latency on both pipes
-  constexpr int kValueRows = std::max(1, 24 / (D / 16));  // accumulators of R rows x D/16 vectors
+  constexpr int kValueRows = kValueRowsFor<D>;
   const int64_t rows = n_q * group;
   const int64_t kv_end = limit0 + n_q - 1;
   const int64_t num_blocks = (kv_end + kKeyBlock - 1) / kKeyBlock;
@@ -208,9 +207,14 @@ void attend_tile_bf16(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_he
       const int64_t r = r0 + i;
       out_rows[i] = out + ((q_first + r / group) * heads + kv_head * group + r % group) * D;
     }
+    // out_r = acc_r / (the row's sum of weights), in bf16.
+    auto store = [&](int r, int c, __m512 acc) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows[r] + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc, _mm512_set1_ps(s.inv_sum[r0 + r]))));
+    };
     with_rows<kValueRows>(n, [&](auto R) {
       accumulate_rows<D, decltype(R)::value>(s.probs.data() + r0 * row_len, row_len, s.vi.data(),
-                                             blocks_seen(r0 + n - 1), s.inv_sum.data() + r0, out_rows);
+                                             blocks_seen(r0 + n - 1), store);
     });
   }
 }

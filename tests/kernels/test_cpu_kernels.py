@@ -457,9 +457,9 @@ def test_decodes_sharing_prefix_pages_match_their_own_copies(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decodes_sharing_a_long_prefix_are_attended_as_one_group(dtype):
-    """Decodes sharing 64 or more keys of whole pages take the group path on AMX in bf16
-    (kernels/cpu/shared_prefix_amx.h: the prefix once for all sharers, then each tail merged in)
-    and the decode path elsewhere; both give the oracle's output. The groups here: 5 sharers of
+    """Decodes sharing 64 or more keys of whole pages take the group path in bf16 on AVX512-BF16
+    or AMX (kernels/cpu/shared_prefix.h: the prefix once for all sharers, then each tail merged
+    in) and the decode path elsewhere; both give the oracle's output. The groups here: 5 sharers of
     6 pages, one of them ending exactly where the prefix does (no tail of its own); 3 sharers
     whose tables agree on only 4 of the 6 pages one of them shares with the others' owner; a
     pair sharing 3 pages (48 keys: too few, decode path); a prefill chunk in the same call."""
@@ -484,7 +484,7 @@ def test_decodes_sharing_a_long_prefix_are_attended_as_one_group(dtype):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
     own = cpu_ops.paged_attention(query, private_k, private_v, table, starts, lens, 0.125)
     torch.testing.assert_close(own.float(), want.float(), **TOL[dtype])
-    grouped = dtype == torch.bfloat16 and cpu_ops.amx_attention_supported()
+    grouped = dtype == torch.bfloat16 and cpu_ops.shared_prefix_attention_supported()
     # The group path rounds the prefix's softmax weights to bf16 where the decode path keeps fp32,
     # so its sharers' outputs differ from their private copies' in the last bits; nothing else does.
     differs = (got != own).flatten(1).any(1)

@@ -1,4 +1,5 @@
-// Decode tokens whose sequences share cached prefix pages, attended together on AMX tiles.
+// Decode tokens whose sequences share cached prefix pages, attended together: on AMX tiles
+// where the CPU has them, else with AVX512-BF16 dot products.
 //
 // Included by paged_attention.cpp, which finds the groups: decode tokens (one query token each)
 // whose page tables begin with the same pages, as prefix caching makes them (vs_vllm.py's
@@ -9,13 +10,17 @@
 // tail on the decode path, which merges this part in (paged_attention.cpp's attend_item).
 //
 // Per item and row block (16 rows: member r / group, query head r % group of this KV head):
-//   1. S^T = K Q^T: the keys are the A operand as they lie in their pages (16 tokens of one
-//      page, head dims contiguous, rows a token apart), the queries the B operand in bf16 pairs
-//      of head dims, so nothing of the cache is rearranged for the scores;
+//   1. S^T = K Q^T with the keys as they lie in their pages (16 tokens of one page, head dims
+//      contiguous, rows a token apart) and the queries in bf16 pairs of head dims, one column
+//      per row, so nothing of the cache is rearranged for the scores. On AMX: K is a tile's A
+//      operand. Without: each key's pair of head dims is broadcast against the block's 16 rows
+//      of that pair (one VDPBF16PS scores one key for 16 rows), 16 keys in flight;
 //   2. an exact fp32 softmax down the key axis, 16 rows in the lanes of one vector; its
 //      weights rounded to bf16 (as torch's bf16 attention rounds them before P V) in pairs of
 //      keys, then transposed to rows of P;
-//   3. O = P V, with V interleaved by token pairs (the B layout), once per item for all blocks.
+//   3. O = P V, with V interleaved by token pairs (the layout both products take), once per
+//      item for all blocks: on AMX as prefill_tile_amx.h's product, without it as
+//      prefill_tile_bf16.h's (two tokens' weights times 16 head dims per instruction).
 // The result stays unnormalised (PartialAttention), so that the merge is exact up to rounding.
 // Needs pages of a multiple of 16 tokens and a prefix of a multiple of 32 keys (the P V step).
 #pragma once
@@ -41,8 +46,8 @@ struct PartialAttention {
 
 constexpr int64_t kSharedKeyStep = 32;  // keys per P V product: a prefix is a multiple of it
 
-#if PDSERVE_TILE_AMX
-#define PDSERVE_SHARED_PREFIX_AMX 1
+#if PDSERVE_TILE_BF16
+#define PDSERVE_SHARED_PREFIX 1
 
 // Per-thread buffers, grown to the largest item and reused.
 struct SharedPrefixScratch {
@@ -54,18 +59,36 @@ struct SharedPrefixScratch {
   std::vector<float> out;       // [16][D]: one row block of O
 };
 
-constexpr int64_t kSharedRows = 16;  // rows per block: the columns of S^T's tiles
+constexpr int64_t kSharedRows = 16;  // rows per block: the lanes of a score vector (S^T's columns)
 
-// The tiles' shapes: every one 16 rows of 64 bytes (as prefill_tile_amx.h configures them).
+// Step 1 without AMX: scores_t[t][i] = k_t . q_i for the 16 keys of one page from `k` (rows
+// `tok_stride` elements apart), each key's head-dim pair p broadcast against qt[p] (16 rows).
+// 16 keys in flight: VDPBF16PS's latency is covered, and each qt[p] is loaded once for them.
 template <int D>
-void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_head_stride,
-                              const int64_t* q_tokens, int64_t members, int64_t group, int64_t kv_head,
-                              const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* pages,
-                              int64_t page_size, int64_t kv_heads, int64_t shared, float scale,
-                              SharedPrefixScratch& s, PartialAttention& part) {
-  static_assert(D % 32 == 0, "AMX tiles take head dims in chunks of 32");
+inline void score_keys_bf16(const c10::BFloat16* k, int64_t tok_stride, const uint32_t* qt, float* scores_t) {
   constexpr int NP = D / 2;
-  constexpr int kChunks = D / 32;
+  const uint32_t* kp = reinterpret_cast<const uint32_t*>(k);
+  const int64_t row = tok_stride / 2;  // in bf16 pairs
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int p = 0; p < NP; ++p) {
+    const __m512i qv = _mm512_loadu_si512(qt + p * kSharedRows);
+    for (int j = 0; j < 16; ++j)
+      acc[j] = dot_pairs(acc[j], _mm512_set1_epi32(static_cast<int>(kp[j * row + p])), qv);
+  }
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(scores_t + j * kSharedRows, acc[j]);
+}
+
+// `amx`: the CPU has AMX tiles and this thread has configured them (prefill_tile_amx.h's
+// configuration: every tile 16 rows of 64 bytes); else the AVX512-BF16 steps.
+template <int D>
+void attend_shared_prefix(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_head_stride,
+                          const int64_t* q_tokens, int64_t members, int64_t group, int64_t kv_head,
+                          const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* pages,
+                          int64_t page_size, int64_t kv_heads, int64_t shared, float scale, bool amx,
+                          SharedPrefixScratch& s, PartialAttention& part) {
+  static_assert(D % 32 == 0, "head dims in chunks of 32 (AMX tiles, the V interleave)");
+  constexpr int NP = D / 2;
   const int64_t rows = members * group;
   const int64_t tok_stride = kv_heads * D;
   const int64_t half = shared / 2;
@@ -121,19 +144,26 @@ void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int6
                   sizeof(row));
       for (int p = 0; p < NP; ++p) s.qt[p * kSharedRows + i] = row[p];
     }
-    // 1. S^T: C (tile 0: 16 keys x 16 rows) += A (tile 1: 16 keys x 32 dims) x B (tile 2: 16
-    // dim pairs x 16 rows), over the head-dim chunks.
+    // 1. S^T, 16 keys (one page's tile) at a time.
     for (int64_t t = 0; t < kAhead && t < shared; t += 16) prefetch_page(tokens(k_cache, t), 16, tok_bytes, kRowBytes);
     for (int64_t t = 0; t < shared; t += 16) {
       if (t + kAhead < shared) prefetch_page(tokens(k_cache, t + kAhead), 16, tok_bytes, kRowBytes);
       const c10::BFloat16* k = tokens(k_cache, t);
-      _tile_zero(0);
-      for (int c = 0; c < kChunks; ++c) {
-        _tile_loadd(1, k + 32 * c, tok_stride * sizeof(c10::BFloat16));
-        _tile_loadd(2, s.qt.data() + 16 * c * kSharedRows, kSharedRows * sizeof(uint32_t));
-        _tile_dpbf16ps(0, 1, 2);
+#if PDSERVE_TILE_AMX
+      if (amx) {
+        // C (tile 0: 16 keys x 16 rows) += A (tile 1: 16 keys x 32 dims) x B (tile 2: 16 dim
+        // pairs x 16 rows), over the head-dim chunks.
+        _tile_zero(0);
+        for (int c = 0; c < D / 32; ++c) {
+          _tile_loadd(1, k + 32 * c, tok_stride * sizeof(c10::BFloat16));
+          _tile_loadd(2, s.qt.data() + 16 * c * kSharedRows, kSharedRows * sizeof(uint32_t));
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, s.scores_t.data() + t * kSharedRows, kSharedRows * sizeof(float));
+        continue;
       }
-      _tile_stored(0, s.scores_t.data() + t * kSharedRows, kSharedRows * sizeof(float));
+#endif
+      score_keys_bf16<D>(k, tok_stride, s.qt.data(), s.scores_t.data() + t * kSharedRows);
     }
     // 2. Softmax down each column; weights exp(scale * (s - max)).
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -150,9 +180,22 @@ void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int6
     }
     for (int64_t j = 0; j < half; ++j)
       for (int64_t i = 0; i < kSharedRows; ++i) s.probs[i * half + j] = s.pairs[j * kSharedRows + i];
-    // 3. O = P V (prefill_tile_amx.h's product; P's key pairs are its bf16 pairs).
-    pdserve::amx_probs_times_values<D>(reinterpret_cast<const uint16_t*>(s.probs.data()), half * sizeof(uint32_t),
-                                       s.vi.data(), shared / kSharedKeyStep, s.out.data());
+    // 3. O = P V: P's key pairs are the products' bf16 pairs.
+    const uint16_t* probs = reinterpret_cast<const uint16_t*>(s.probs.data());
+#if PDSERVE_TILE_AMX
+    if (amx)
+      pdserve::amx_probs_times_values<D>(probs, half * sizeof(uint32_t), s.vi.data(), shared / kSharedKeyStep,
+                                         s.out.data());
+#endif
+    if (!amx) {
+      constexpr int kRows = kValueRowsFor<D>;
+      for (int64_t i0 = 0; i0 < n; i0 += kRows) {
+        auto store = [&](int r, int c, __m512 acc) { _mm512_storeu_ps(s.out.data() + (i0 + r) * D + 16 * c, acc); };
+        with_rows<kRows>(std::min<int64_t>(kRows, n - i0), [&](auto R) {
+          accumulate_rows<D, decltype(R)::value>(probs + i0 * shared, shared, s.vi.data(), shared / kKeyBlock, store);
+        });
+      }
+    }
     alignas(64) float m_rows[kSharedRows], sum_rows[kSharedRows];
     _mm512_store_ps(m_rows, _mm512_mul_ps(mx, sc));
     _mm512_store_ps(sum_rows, sum);
@@ -165,7 +208,7 @@ void attend_shared_prefix_amx(const c10::BFloat16* q, int64_t q_tok_stride, int6
 }
 
 #else
-#define PDSERVE_SHARED_PREFIX_AMX 0
+#define PDSERVE_SHARED_PREFIX 0
 #endif
 
 }  // namespace pdserve
