@@ -68,14 +68,18 @@ def kv_transfer_gbps(num_pages: int, device: str = "cuda", pages_per_frame: int 
     from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
     from engine.model.builtin import ensure_builtin
     from engine.model.config import ModelConfig
+    from proto.frame_auth import ClusterSecret
 
     cfg = ModelConfig.from_dir(ensure_builtin("small"))
     src = KVCache(cfg, num_pages, 16, torch.bfloat16, device)
     dst = KVCache(cfg, num_pages, 16, torch.bfloat16, device)
     for t in src.k + src.v:
         t.normal_()
-    frames_in = ZmqFrameReceiver("127.0.0.1", 0)
-    sender = KVSender(ZmqFrameSender(frames_in.address), checksum=True)
+    # As a cluster links a prefill and a decode worker with kv_transfer.checksum on: frames signed
+    # under the cluster secret, headers only (the CRC32 covers the payload; cluster/worker_host.py).
+    secret = ClusterSecret.generate()
+    frames_in = ZmqFrameReceiver("127.0.0.1", 0, secret, sign_payload=False)
+    sender = KVSender(ZmqFrameSender(frames_in.address, secret, sign_payload=False), checksum=True)
     receiver = KVReceiver(dst, require_checksum=True)
     pages = list(range(num_pages))
     outcomes = []
