@@ -4,8 +4,13 @@
 # 1. finds a GPU (nvidia-smi); without one it prints "no CUDA device" and exits 0, installing nothing;
 # 2. uses $PDSERVE_PYTHON, else the repo's .venv (created by `make install` when missing), and
 #    installs Triton into it when torch's own dependency did not bring it;
-# 3. runs `pytest -m gpu tests/gpu` with compiled (not interpreted) Triton kernels, then
-#    benchmarks/gpu_check.py, and prints one table of both.
+# 3. builds `builtin:small` into $PDSERVE_CACHE (default: the repo's .cache/, as the tests use)
+#    when missing, outside the tests' time budget;
+# 4. runs `pytest -m gpu` on tests/gpu/ (cheapest first: kernels, engine, 1P1D, NCCL) with
+#    compiled (not interpreted) Triton kernels, then benchmarks/gpu_check.py, and prints one
+#    table of both. PYTEST_ADDOPTS reaches pytest (e.g. --timeout=120 where pytest-timeout is).
+# GPU_CHECK_SAVE=DIR: keep the full pytest log, its JUnit XML and the benchmark's output and
+# errors in DIR (pytest.log, gpu.xml, bench.txt, bench.err).
 # Exit status: 0 all passed (or no GPU); 2 a GPU is present but the Python's torch cannot use
 # it (a CPU build: the message says what to install); otherwise pytest's or the benchmark's.
 #
@@ -44,20 +49,31 @@ then
 fi
 "$PY" -c "import triton" 2>/dev/null || "$PY" -m pip install --quiet "triton>=3.2"
 
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+LOGS=${GPU_CHECK_SAVE:-$WORK}  # written as they go: a run stopped from outside still leaves them
+mkdir -p "$LOGS"
 export TRITON_INTERPRET=0 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo
+export PDSERVE_CACHE=${PDSERVE_CACHE:-$PWD/.cache} HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+
+# The tests and the benchmark share one built model; building it is not theirs to time.
+start=$SECONDS
+"$PY" -c 'from engine.model.builtin import ensure_builtin; ensure_builtin("small")'
+echo "gpu_check: builtin:small ready in $PDSERVE_CACHE ($((SECONDS - start)) s)"
 
 set +e
-timeout "$TEST_BUDGET_S" "$PY" -m pytest -q -rs -m gpu tests/gpu --junitxml="$OUT/gpu.xml" 2>&1 | tail -n 40
-TEST_RC=${PIPESTATUS[0]}
-timeout "$BENCH_BUDGET_S" "$PY" benchmarks/gpu_check.py >"$OUT/bench.txt" 2>"$OUT/bench.err"
+timeout "$TEST_BUDGET_S" "$PY" -m pytest -q -rs -m gpu --junitxml="$LOGS/gpu.xml" \
+    tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_disaggregated.py \
+    tests/gpu/test_gpu_nccl.py >"$LOGS/pytest.log" 2>&1
+TEST_RC=$?
+tail -n 60 "$LOGS/pytest.log"
+timeout "$BENCH_BUDGET_S" "$PY" benchmarks/gpu_check.py >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
 BENCH_RC=$?
 set -e
 
 echo
 echo "==================== gpu_check $(date -u '+%Y-%m-%d %H:%M UTC') ===================="
-"$PY" - "$OUT/gpu.xml" <<'PYEOF'
+"$PY" - "$LOGS/gpu.xml" <<'PYEOF'
 import sys
 import xml.etree.ElementTree as ET
 try:
@@ -79,7 +95,7 @@ for name, took, outcome in rows:
     print(f"{name:<{width}}  {took:>8}  {outcome}")
 PYEOF
 echo
-cat "$OUT/bench.txt"
-[[ $BENCH_RC -eq 0 ]] || { echo "benchmark exit status $BENCH_RC"; tail -n 20 "$OUT/bench.err"; }
+cat "$LOGS/bench.txt"
+[[ $BENCH_RC -eq 0 ]] || { echo "benchmark exit status $BENCH_RC"; tail -n 20 "$LOGS/bench.err"; }
 [[ $TEST_RC -eq 0 ]] || exit "$TEST_RC"
 exit "$BENCH_RC"

@@ -32,6 +32,14 @@ def hf_greedy_with_margins(model, ids: list[int], max_new_tokens: int) -> tuple[
     return tokens, margins
 
 
+def first_difference(got: list[int], want: list[int], margins: list[float]) -> str:
+    """Where two greedy runs part, with Hugging Face's top-two logit gap at each step up to there:
+    the failure message, so one run on a GPU tells a near tie from a wrong kernel."""
+    step = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    gaps = ", ".join(f"{gap:.3f}" for gap in margins[: step + 1])
+    return f"first differs at step {step}; HF's top-two logit gaps through it: [{gaps}]"
+
+
 def decisive_prefix(tokens: list[int], margins: list[float]) -> list[int]:
     """The tokens before the first near tie."""
     for i, gap in enumerate(margins):
@@ -56,7 +64,7 @@ def test_llm_on_cuda_matches_hf_greedy(dtype):
         for out in outs:
             expected, margins = hf_greedy_with_margins(hf, out.prompt_token_ids, MAX_TOKENS)
             if dtype == "float32":
-                assert out.token_ids == expected
+                assert out.token_ids == expected, first_difference(out.token_ids, expected, margins)
             else:
                 prefix = decisive_prefix(expected, margins)
-                assert out.token_ids[: len(prefix)] == prefix
+                assert out.token_ids[: len(prefix)] == prefix, first_difference(out.token_ids, expected, margins)
