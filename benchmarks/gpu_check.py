@@ -10,7 +10,8 @@
     python benchmarks/gpu_check.py            # what scripts/gpu_check.sh runs
     python benchmarks/gpu_check.py --quick    # fewer pages and steps
 
-Written on a CPU-only machine and not yet run on a GPU: without CUDA it says so and exits 0.
+First run on an NVIDIA H200 on 2026-12-04 (docs/benchmarks.md, "The GPU check"); without CUDA it
+says so and exits 0.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ says more than one split pays; the result equals the one-pass kernel's up to flo
 
 Sits in the GPU path of engine/model/attention.py (decode steps), under the same arguments and
 oracle (`kernels.reference.paged_decode_attention`). Tested under `TRITON_INTERPRET=1` on CPU
-(tests/kernels/test_triton_decode_split.py); on a GPU only by tests/gpu/ — which had not run on
-one when this was written, so neither the compiled kernel nor the split heuristic's speed has
-been measured.
+(tests/kernels/test_triton_decode_split.py); compiled on a GPU by tests/gpu/test_gpu_kernels.py,
+which passed on an H200 on 2026-12-04 (fp32, fp16, bf16). The split heuristic's speed against the
+one-pass kernel has not been measured.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@
 # Exit status: 0 all passed (or no GPU); 2 a GPU is present but the Python's torch cannot use
 # it (a CPU build: the message says what to install); otherwise pytest's or the benchmark's.
 #
-# Written on a CPU-only machine: it has been checked there (syntax, the no-GPU exit), and has
-# not yet run on a GPU.
+# Ran on an NVIDIA H200 on 2026-12-04 with PDSERVE_PYTHON set (docs/benchmarks.md, "The GPU
+# check"); the `make install` and Triton-install branches have not run on a GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

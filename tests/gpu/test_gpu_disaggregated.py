@@ -3,7 +3,8 @@ specs `pdserve up` builds) whose KV caches live in CUDA memory, KV moved over th
 (frames staged through host memory: engine/kv_transfer/frames.py), behind the real router and
 gRPC. Every output must equal the colocated engine's on the same GPU and dtype.
 
-Not yet run on a GPU (written on a CPU-only machine): skipped there with the reason.
+Ran and passed on an NVIDIA H200 on 2026-12-04 (docs/benchmarks.md, "The GPU check"); skipped
+with the reason where there is no CUDA.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ Face greedy on `builtin:small`: token for token in float32; in bfloat16 up to th
 where Hugging Face's own top two tokens are nearly tied (two bf16 implementations may order a
 near tie either way, and everything after it differs legitimately).
 
-Not yet run on a GPU (written on a CPU-only machine): skipped there with the reason.
+Ran and passed on an NVIDIA H200 on 2026-12-04 (docs/benchmarks.md, "The GPU check"); skipped
+with the reason where there is no CUDA.
 """
 
 from __future__ import annotations

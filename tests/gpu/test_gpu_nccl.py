@@ -2,7 +2,7 @@
 rank 0 reach rank 1, which receives from rank 0 by name (NCCL has no receive-from-any-source),
 with contents and checksums intact. Skipped with the reason where fewer than two GPUs exist.
 
-Not yet run on a GPU (written on a CPU-only machine): skipped there with the reason.
+Not yet run on GPUs: the one GPU check so far (an H200, 2026-12-04) had one GPU, so it skipped.
 """
 
 from __future__ import annotations
