@@ -428,15 +428,16 @@ void attend_item(const Item& it, const scalar_t* q, int64_t q_tok_stride, int64_
   }
 }
 
-#if PDSERVE_TILE_AMX
+#if PDSERVE_TILE_BF16
 // The keys of every sequence with a prefill tile (kMinTileQueries or more queries), rearranged
-// for AMX once per KV head over its whole context (prefill_tile_amx.h), in parallel;
-// `slot[seq]` indexes them (by slot * kv_heads + head). Empty where AMX cannot be used.
+// once per KV head over its whole context for the matrix-product tiles (prefill_tile_bf16.h's
+// layout, which the AMX tiles read too), in parallel; `slot[seq]` indexes them (by slot *
+// kv_heads + head).
 template <int D>
-std::vector<pdserve::AmxKeys> amx_rearrange(const std::vector<Item>& items, const c10::BFloat16* kc,
-                                            const c10::BFloat16* vc, const int32_t* table, int64_t table_stride,
-                                            int64_t page_size, int64_t kv_heads, const int32_t* lens,
-                                            std::vector<int64_t>& slot) {
+std::vector<pdserve::TileScratch> rearrange_prefill_keys(const std::vector<Item>& items, const c10::BFloat16* kc,
+                                                         const c10::BFloat16* vc, const int32_t* table,
+                                                         int64_t table_stride, int64_t page_size, int64_t kv_heads,
+                                                         const int32_t* lens, std::vector<int64_t>& slot) {
   std::vector<int64_t> seqs;
   for (const Item& item : items) {
     if (item.q_end - item.q_begin < kMinTileQueries) continue;
@@ -446,13 +447,13 @@ std::vector<pdserve::AmxKeys> amx_rearrange(const std::vector<Item>& items, cons
       seqs.push_back(item.seq);
     }
   }
-  if (seqs.empty() || !pdserve::amx_ready()) return {};
-  std::vector<pdserve::AmxKeys> keys(seqs.size() * kv_heads);
+  if (seqs.empty()) return {};
+  std::vector<pdserve::TileScratch> keys(seqs.size() * kv_heads);
   at::parallel_for(0, static_cast<int64_t>(keys.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t seq = seqs[i / kv_heads], h = i % kv_heads;
       pdserve::rearrange_keys<D>(kc, vc, table + seq * table_stride, page_size, kv_heads * D, h * D, lens[seq],
-                                 pdserve::amx_key_blocks(lens[seq]), keys[i]);
+                                 pdserve::key_blocks_32(lens[seq]), keys[i]);
     }
   });
   return keys;
@@ -474,14 +475,16 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
   const int32_t* table = page_table.data_ptr<int32_t>();
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
-#if PDSERVE_TILE_AMX
-  // On AMX, each prefill sequence's keys are rearranged once, by KV head, before the items run.
-  std::vector<int64_t> amx_slot;
-  std::vector<pdserve::AmxKeys> amx_keys;
+#if PDSERVE_TILE_BF16
+  // Each bf16 prefill sequence's keys are rearranged once, by KV head, before the items run.
+  std::vector<int64_t> key_slot;
+  std::vector<pdserve::TileScratch> prefill_keys;
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && (NV * 8) % 32 == 0)
-    amx_keys = amx_rearrange<NV * 8>(items, kc, vc, table, page_table.size(1), k_cache.size(1), kv_heads, lens,
-                                     amx_slot);
-  const bool amx = !amx_keys.empty();
+    prefill_keys = rearrange_prefill_keys<NV * 8>(items, kc, vc, table, page_table.size(1), k_cache.size(1), kv_heads,
+                                                  lens, key_slot);
+#endif
+#if PDSERVE_TILE_AMX
+  const bool amx = !prefill_keys.empty() && pdserve::amx_ready();
   const bool shared_amx = !shared.empty() && pdserve::amx_ready();  // the groups' products on AMX tiles
 #else
   constexpr bool shared_amx = false;
@@ -538,15 +541,15 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
             for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h)
               pdserve::attend_tile_amx<NV * 8>(q, query.stride(0), query.stride(1), item.q_begin,
                                                item.q_end - item.q_begin, group, h, limit0,
-                                               amx_keys[amx_slot[item.seq] * kv_heads + h], kv_heads, o,
+                                               prefill_keys[key_slot[item.seq] * kv_heads + h], kv_heads, o,
                                                static_cast<float>(scale), amx_scratch);
             continue;
           }
 #endif
           for (int64_t h = item.kv_head; h < item.kv_head + item.num_kv_heads; ++h)
             pdserve::attend_tile_bf16<NV * 8>(q, query.stride(0), query.stride(1), item.q_begin,
-                                              item.q_end - item.q_begin, group, h, limit0, kc, vc,
-                                              table + item.seq * page_table.size(1), k_cache.size(1), kv_heads, o,
+                                              item.q_end - item.q_begin, group, h, limit0,
+                                              prefill_keys[key_slot[item.seq] * kv_heads + h], kv_heads, o,
                                               static_cast<float>(scale), tile_scratch);
           continue;
         }

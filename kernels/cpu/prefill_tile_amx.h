@@ -42,8 +42,6 @@ constexpr int64_t kAmxRows = 16;  // query rows per tile
 // P V tile takes 32 keys).
 using AmxKeys = TileScratch;
 
-inline int64_t amx_key_blocks(int64_t context) { return ((context + 31) / 32) * 2; }
-
 // Per-thread buffers of the AMX path, grown to the largest item and reused.
 struct AmxScratch {
   std::vector<uint16_t> q;      // [rows padded to 16][D] bf16 bits, rows packed contiguously
@@ -97,7 +95,7 @@ void attend_tile_amx(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_hea
   const int64_t rows = n_q * group;
   const int64_t padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
   const int64_t kv_end = limit0 + n_q - 1;
-  const int64_t num_blocks = std::min<int64_t>(amx_key_blocks(kv_end), static_cast<int64_t>(keys.kt.size()) / (NP * kKeyBlock));
+  const int64_t num_blocks = std::min<int64_t>(key_blocks_32(kv_end), static_cast<int64_t>(keys.kt.size()) / (NP * kKeyBlock));
   const int64_t row_len = num_blocks * kKeyBlock;
   const int64_t heads = kv_heads * group;
   s.q.assign(padded * D, 0);
@@ -112,7 +110,7 @@ void attend_tile_amx(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_hea
   // Key blocks a row block needs: up to its last row's limit, rounded to the 32-key P V step.
   auto blocks_seen = [&](int64_t r0) {
     const int64_t last = std::min(rows, r0 + kAmxRows) - 1;
-    return std::min(num_blocks, amx_key_blocks(limit(last)));
+    return std::min(num_blocks, key_blocks_32(limit(last)));
   };
 
   // S = Q K^T, tile by tile: C += A (16 rows x 32 dims of Q) x B (16 dim pairs x 16 keys), over

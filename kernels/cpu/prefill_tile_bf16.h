@@ -3,7 +3,9 @@
 // Included by paged_attention.cpp, whose work items it serves when a tile has several query
 // tokens (a prefill chunk) in bf16; decode rows keep that file's vector path. Per item (one
 // sequence, up to kQTile query tokens, one KV head and the `group` query heads sharing it):
-//   1. the item's visible keys are rearranged once from their pages into blocks of 16 keys:
+//   1. the sequence's keys are rearranged from their pages into blocks of 16 keys, once per KV
+//      head for all of its tiles (paged_attention.cpp's rearrange_prefill_keys; each tile had
+//      rearranged the keys it sees, which for a causal prompt is quadratic in its length):
 //      K transposed into bf16 pairs of head_dim ([d/2][16 keys][2]), V interleaved by token
 //      pairs ([8 pairs][d][2]), the layouts VDPBF16PS multiplies (tokens past the end are 0);
 //   2. S = Q K^T: each instruction takes one bf16 pair of 12 query rows' head dims against 16
@@ -31,7 +33,9 @@ namespace pdserve {
 
 constexpr int64_t kKeyBlock = 16;  // keys per block: one fp32 lane each in a score vector
 
-// Per-thread buffers, grown to the largest item a thread has taken and then reused.
+// Per-thread buffers, grown to the largest item a thread has taken and then reused; kt and vi
+// hold one (sequence, KV head)'s keys, rearranged once for all of its tiles (paged_attention.cpp's
+// rearrange_prefill_keys), the rest one item's products.
 struct TileScratch {
   std::vector<uint32_t> kt;   // [blocks][d/2][16]: key pairs of head dims, transposed
   std::vector<uint16_t> vi;   // [blocks][8][d][2]: values interleaved by token pairs
@@ -99,7 +103,12 @@ void with_rows(int64_t r, F&& f) {
   }
 }
 
-// Step 1: the item's keys [0, kv_end) of one KV head into `kt` and `vi` (see the file comment).
+// 16-key blocks covering `context` keys, in whole 32-key steps (AMX's P V tile takes 32 keys):
+// how many blocks rearrange_keys writes for a sequence's whole context.
+inline int64_t key_blocks_32(int64_t context) { return ((context + 31) / 32) * 2; }
+
+// Step 1: the keys [0, kv_end) of one KV head into `kt` and `vi` (see the file comment), zeros
+// past kv_end up to num_blocks.
 template <int D>
 void rearrange_keys(const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, const int32_t* pages,
                     int64_t page_size, int64_t tok_stride, int64_t head_offset, int64_t kv_end,
@@ -164,19 +173,18 @@ inline float softmax_row(const float* scores, int64_t limit, int64_t row_len, fl
 
 // One work item: query tokens [q_first, q_first + n_q) of q (row stride q_tok_stride, head
 // stride q_head_stride), their `group` heads sharing KV head `kv_head`; query i sees keys
-// [0, limit0 + i). out has the query's layout ([tokens][heads][D]).
+// [0, limit0 + i), which `keys` holds rearranged (at least that far: keys past a row's limit
+// get zero weight). out has the query's layout ([tokens][heads][D]).
 template <int D>
 void attend_tile_bf16(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_head_stride, int64_t q_first,
-                      int64_t n_q, int64_t group, int64_t kv_head, int64_t limit0, const c10::BFloat16* k_cache,
-                      const c10::BFloat16* v_cache, const int32_t* pages, int64_t page_size, int64_t kv_heads,
-                      c10::BFloat16* out, float scale, TileScratch& s) {
+                      int64_t n_q, int64_t group, int64_t kv_head, int64_t limit0, const TileScratch& keys,
+                      int64_t kv_heads, c10::BFloat16* out, float scale, TileScratch& s) {
   constexpr int kScoreRows = 12;  // 12 accumulators cover VDPBF16PS's latency on both pipes
   constexpr int kValueRows = kValueRowsFor<D>;
   const int64_t rows = n_q * group;
   const int64_t kv_end = limit0 + n_q - 1;
   const int64_t num_blocks = (kv_end + kKeyBlock - 1) / kKeyBlock;
   const int64_t row_len = num_blocks * kKeyBlock;
-  rearrange_keys<D>(k_cache, v_cache, pages, page_size, kv_heads * D, kv_head * D, kv_end, num_blocks, s);
   s.scores.resize(rows * row_len);
   s.probs.resize(rows * row_len);
   s.inv_sum.resize(rows);
@@ -194,7 +202,7 @@ void attend_tile_bf16(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_he
                                                     (kv_head * group + r % group) * q_head_stride);
     }
     with_rows<kScoreRows>(n, [&](auto R) {
-      score_rows<D, decltype(R)::value>(q_rows, s.kt.data(), blocks_seen(r0 + n - 1), s.scores.data() + r0 * row_len,
+      score_rows<D, decltype(R)::value>(q_rows, keys.kt.data(), blocks_seen(r0 + n - 1), s.scores.data() + r0 * row_len,
                                         row_len);
     });
   }
@@ -213,7 +221,7 @@ void attend_tile_bf16(const c10::BFloat16* q, int64_t q_tok_stride, int64_t q_he
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc, _mm512_set1_ps(s.inv_sum[r0 + r]))));
     };
     with_rows<kValueRows>(n, [&](auto R) {
-      accumulate_rows<D, decltype(R)::value>(s.probs.data() + r0 * row_len, row_len, s.vi.data(),
+      accumulate_rows<D, decltype(R)::value>(s.probs.data() + r0 * row_len, row_len, keys.vi.data(),
                                              blocks_seen(r0 + n - 1), store);
     });
   }
