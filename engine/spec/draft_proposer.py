@@ -7,13 +7,14 @@ draft_model.py) holding the same tokens, whose KV the draft computes. One `propo
      may have been rejected, or never verified); the rest is rolled back and the sequence's new
      tokens (the accepted run and the target's own token; the whole prompt on first use, as on a
      decode worker, where the draft's prompt KV is recomputed rather than shipped) are queued;
-  2. one draft step over all twins computes those tokens (a prompt chunk or a decode each; the
-     catch-up per call is capped at the engine's token budget, so a long prompt is chunked over
+  2. one draft step over all twins computes those tokens (when every twin's are at most
+     MAX_DECODE_CATCH_UP, one-token decode entries each; else a prompt chunk or a decode each,
+     the catch-up per call capped at the engine's token budget, so a long prompt is chunked over
      steps and proposes nothing until done) and takes the argmax after each sequence's last token;
   3. k - 1 more draft decode steps, each feeding the previous guess, for the twins that want more
      (their batches derived from the previous one's tensors: engine/spec/draft_decode.py).
 Where the twins are all greedy and the draft's layers run in one call, steps 3 (and 2 too, when
-every catch-up is a single token, as after each verification) go to one compiled call instead:
+its catch-ups are decode entries, as after each verification) go to one compiled call instead:
 engine/spec/fused_draft.py, the same guesses and KV.
 The twin then holds KV for the sequence's tokens and the first k - 1 guesses. `on_verified`
 rolls it back to the accepted ones and frees the pages past them; `release` frees all of the
@@ -38,7 +39,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.spec.draft_decode import decode_inputs, first_decode_batch, next_decode_batch
+from engine.spec.draft_decode import catch_up_batch, decode_inputs, next_decode_batch
 from engine.spec.draft_model import DraftModel
 from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
 from engine.spec.rejection import target_probs
@@ -46,6 +47,11 @@ from engine.spec.rejection import target_probs
 # Mixes a request's seed into its draft generator's (an LCG step): same seed, same draft draws,
 # but never the verification's own stream.
 _SEED_MULTIPLIER, _SEED_INCREMENT = 6364136223846793005, 1442695040888963407
+
+# A catch-up of at most this many tokens (each twin's) is computed as one-token decode entries,
+# in the compiled call where it serves: after a verification it is one token, or two when every
+# guess was accepted; prompts and longer runs go through the runner as prompt chunks.
+MAX_DECODE_CATCH_UP = 8
 
 
 @dataclass
@@ -90,31 +96,36 @@ class DraftModelProposer(BaseProposer):
             index_of[id(twin.seq)] = i
             if chunk == num_new:
                 wants[i], guesses[i] = k, []
-        # Catch-up step (built by the runner: prompt chunks and decodes), then one decode step per
-        # further guess over the twins still guessing, each batch derived from the last one.
+        # Catch-up step, then one decode step per further guess over the twins still guessing,
+        # each batch derived from the last one. A short catch-up (every twin's, after a
+        # verification) is packed as one-token decode entries; a long one (a prompt, a run of
+        # prompt lookup's accepted tokens) is a prompt chunk, built by the runner.
         twins = [s.seq for s in step]
-        if step and all(s.num_new_tokens == 1 for s in step) and len(wants) == len(step) and self._fused_serves(twins):
-            # Every catch-up is one token (the target's own after a verification): it is the
-            # compiled call's first step, so the whole proposal is one call.
-            self._guess_fused(twins, index_of, guesses, wants)
+        short = len(wants) == len(step) and all(s.num_new_tokens <= MAX_DECODE_CATCH_UP for s in step)
+        if step and short and self._fused_serves(twins, sum(s.num_new_tokens for s in step)):
+            self._guess_fused(twins, index_of, guesses, wants)  # the whole proposal in one compiled call
         elif step:
             runner = self.draft.runner
-            hidden, sampled = runner.execute_hidden(step)
+            batch: ForwardBatch | None = None
+            if short:
+                batch = catch_up_batch(twins, self.page_size, runner.device)
+                hidden, live = runner.executor.run(batch), twins
+            else:
+                hidden, sampled = runner.execute_hidden(step)
+                live = [s.seq for s in sampled]
             logits = self.draft.logits(hidden)
             for s in step:
                 s.seq.num_computed_tokens += s.num_new_tokens
-            live = [s.seq for s in sampled]
-            batch: ForwardBatch | None = None
             while live:
                 rows = self._take_guesses(logits, live, index_of, guesses, draws, wants)
                 if not rows:
                     break
                 live_next = [live[row] for row in rows]
-                if batch is None and self._fused_serves(live_next):
+                if batch is None and self._fused_serves(live_next, len(live_next)):
                     self._guess_fused(live_next, index_of, guesses, wants)
                     break
                 if batch is None:
-                    batch = first_decode_batch(live_next, self.page_size, runner.device)
+                    batch = catch_up_batch(live_next, self.page_size, runner.device)
                 else:
                     fed = torch.tensor([seq.token_ids[-1] for seq in live_next])
                     keep = None if len(rows) == len(live) else torch.tensor(rows)
@@ -146,14 +157,16 @@ class DraftModelProposer(BaseProposer):
                 more.append(row)
         return more
 
-    def _fused_serves(self, seqs: list[Sequence]) -> bool:
+    def _fused_serves(self, seqs: list[Sequence], num_rows: int) -> bool:
+        """Whether the compiled loop takes these twins, whose first step has `num_rows` entries."""
         fused = self.fused_steps
-        return fused is not None and fused.serves(len(seqs)) and all(seq.params.greedy for seq in seqs)
+        return fused is not None and fused.serves(num_rows) and all(seq.params.greedy for seq in seqs)
 
     def _guess_fused(self, seqs: list[Sequence], index_of: dict[int, int], guesses: dict[int, list[int]],
                      wants: dict[int, int]) -> None:
-        """The rest of each twin's guesses in one compiled call (engine/spec/fused_draft.py): what
-        the loop in `propose` makes of them, guesses, fed tokens and KV alike."""
+        """The rest of each twin's guesses in one compiled call (engine/spec/fused_draft.py), from
+        its tokens without KV on: what the loop in `propose` makes of them, guesses, fed tokens
+        and KV alike."""
         assert self.fused_steps is not None
         remaining = [wants[index_of[id(seq)]] - len(guesses[index_of[id(seq)]]) for seq in seqs]
         out = self.fused_steps(*decode_inputs(seqs), torch.tensor(remaining, dtype=torch.int64)).tolist()
@@ -161,7 +174,7 @@ class DraftModelProposer(BaseProposer):
             new = [row[col] for row in out[:n]]
             guesses[index_of[id(seq)]] += new
             seq.token_ids += new[:-1]  # every guess but the last is fed back, its KV computed
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens = seq.num_tokens
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         """The first `num_accepted` guesses are the sequence's now: keep their KV, drop the rest."""

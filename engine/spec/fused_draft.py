@@ -1,8 +1,9 @@
-"""A draft model's greedy follow-up steps in one compiled call, on the CPU path.
+"""A draft model's greedy proposal in one compiled call, on the CPU path.
 
-engine/spec/draft_proposer.py feeds each guess back for k - 1 one-token steps after its
-catch-up step. Where every twin still guessing is greedy and the draft's layers run in one call
-(engine/model/fused_decode.py), those steps go to kernels/cpu/greedy_steps.cpp at once: per step
+engine/spec/draft_proposer.py computes each twin's catch-up (the tokens it has no KV for) and
+then feeds each guess back for k - 1 one-token steps. Where every twin is greedy, its catch-up
+short and the draft's layers run in one call (engine/model/fused_decode.py), all of those steps
+go to kernels/cpu/greedy_steps.cpp at once (or the follow-ups alone, after a long catch-up): per step
 the embedding, the layers, the final norm, the output projection and the argmax, with the same
 kernels in the same order as LlamaForCausalLM.forward and DraftModel.logits, so the guesses and
 the KV written for them are the Python loop's. Why: a draft pays for itself only if its step
@@ -58,14 +59,15 @@ class FusedDraftSteps:
     def serves(self, num_rows: int) -> bool:
         return 0 < num_rows <= self.max_rows
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-                 num_steps: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [rows] int64: the token each row feeds first and its position;
-        page_table [rows, max_pages] int32, holding every step's slot; num_steps [rows] int64 >= 1.
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, num_fed: torch.Tensor,
+                 page_table: torch.Tensor, num_steps: torch.Tensor) -> torch.Tensor:
+        """input_ids [sum(num_fed)] int64: the tokens each row feeds first (its catch-up), row after
+        row; positions [rows] int64: the first one's; num_fed [rows] int64 >= 1; page_table [rows,
+        max_pages] int32, holding every step's slot; num_steps [rows] int64 >= 1: guesses.
         Returns the guesses [max(num_steps), rows] int64 (-1 past a row's last step)."""
         model = self._model
         return self._ops.greedy_steps(
-            input_ids, positions, page_table, num_steps, self.page_size,
+            input_ids, positions, num_fed, page_table, num_steps, self.page_size,
             model.embed_tokens.weight.data, self._first_norm, model.norm.weight.data,
             *self._layer_args, model.rope.cos, model.rope.sin, *self._head,
         )

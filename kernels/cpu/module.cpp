@@ -27,8 +27,8 @@ torch::Tensor decode_layers(torch::Tensor hidden, torch::Tensor residual, std::v
                             int64_t head_dim, double scale, torch::Tensor positions, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor slot_mapping, torch::Tensor page_table,
                             torch::Tensor query_start_loc, torch::Tensor context_lens);
-torch::Tensor greedy_steps(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor page_table,
-                           torch::Tensor num_steps, int64_t page_size, torch::Tensor embedding,
+torch::Tensor greedy_steps(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor num_fed,
+                           torch::Tensor page_table, torch::Tensor num_steps, int64_t page_size, torch::Tensor embedding,
                            torch::Tensor first_norm, torch::Tensor final_norm, std::vector<torch::Tensor> norms,
                            double eps, std::vector<torch::Tensor> qkv_w, std::vector<torch::Tensor> qkv_bias,
                            std::vector<int64_t> qkv_shape, std::vector<torch::Tensor> o_w,
@@ -51,6 +51,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shared_prefix_attention_supported", &shared_prefix_attention_supported, "whether bf16 decodes sharing cached prefix pages are attended as one group (AVX512-BF16 or AMX)");
   m.def("packed_gemv_amx_supported", &packed_gemv_amx_supported, "whether packed_gemv multiplies 2-32 rows on AMX tiles (32 x 32 layout)");
   m.def("decode_layers", &decode_layers, "a step's decoder layers over packed GEMVs in one call (engine/model/fused_decode.py)");
-  m.def("greedy_steps", &greedy_steps, "a draft's greedy one-token steps, each feeding the last argmax, in one call (engine/spec/fused_draft.py)");
+  m.def("greedy_steps", &greedy_steps, "a draft's greedy proposal in one call: its catch-up tokens, then steps each feeding the last argmax (engine/spec/fused_draft.py)");
   m.def("packed_gemv", &packed_gemv, "x W^T (+ b) for 1-8 bf16 rows, W read in oneDNN's bf16 block layout (block_n outputs x block_k inputs)");
 }

@@ -55,7 +55,9 @@ def _twin_kv(p: DraftModelProposer, request_id: str) -> list[torch.Tensor]:
 
 def test_compiled_steps_guess_and_store_what_the_python_loop_does(loopy_dir, loopy_draft_dir, compiled_calls):
     """Three twins at different lengths asking for different k (rows leave the compiled batch as
-    their guesses run out), then a second round after a partial acceptance."""
+    their guesses run out); a second round after a partial acceptance (a one-token catch-up
+    each); a third after every guess was accepted (two tokens: the last guess and the target's)
+    or none was and the sequence moved on by five (catch-ups of 2, 5 and 2 decode entries)."""
     proposers = [proposer_of(_engine(loopy_dir, loopy_draft_dir, fused)) for fused in (True, False)]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     lengths, ks = (9, 23, 40), [5, 2, 4]
@@ -68,7 +70,15 @@ def test_compiled_steps_guess_and_store_what_the_python_loop_does(loopy_dir, loo
             p.on_verified(seq, 1)
             seq.token_ids += [proposal.token_ids[0], 11]
         second = p.propose(seqs, [3, 3, 3])
-        results.append(([x.token_ids for x in first], [x.token_ids for x in second],
+        for i, (seq, proposal) in enumerate(zip(seqs, second)):
+            if i == 1:  # nothing accepted; the sequence gains five tokens
+                p.on_verified(seq, 0)
+                seq.token_ids += [21, 22, 23, 24, 25]
+            else:  # all accepted, and the target's own
+                p.on_verified(seq, len(proposal))
+                seq.token_ids += [*proposal.token_ids, 13]
+        third = p.propose(seqs, [4, 2, 3])
+        results.append(([x.token_ids for x in first], [x.token_ids for x in second], [x.token_ids for x in third],
                         [_twin_kv(p, s.request_id) for s in seqs],
                         [(p.twins[s.request_id].seq.token_ids, p.twins[s.request_id].seq.num_computed_tokens)
                          for s in seqs]))
@@ -76,11 +86,14 @@ def test_compiled_steps_guess_and_store_what_the_python_loop_does(loopy_dir, loo
             p.release(seq)
         assert p.page_manager.num_free_pages == p.page_manager.num_pages
     fused, python = results
-    assert compiled_calls == [3, 3]  # one call a round, for the three twins (the Python side made none)
+    # One call a round (the Python side made none): the first after the prompts' catch-up (a
+    # prompt chunk, in Python), then whole proposals from their catch-up entries.
+    assert compiled_calls == [3, 3, 2 + 5 + 2]
     assert [len(t) for t in fused[0]] == ks and all(len(t) == 3 for t in fused[1])
-    assert fused[0] == python[0] and fused[1] == python[1]
-    assert fused[3] == python[3]
-    for a, b in zip(fused[2], python[2]):
+    assert [len(t) for t in fused[2]] == [4, 2, 3]
+    assert fused[:3] == python[:3]
+    assert fused[4] == python[4]
+    for a, b in zip(fused[3], python[3]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 

@@ -26,8 +26,9 @@ def one_hot_next(tokens) -> torch.Tensor:
 
 class CountingRunner:
     """Logits (standing in for the hidden rows; the twin draft's `logits` passes them through)
-    whose argmax is each sampling sequence's last token + 1; records the step sizes: the catch-up
-    step through `execute_hidden`, the follow-up one-token steps through `executor.run`."""
+    whose argmax is each sampling sequence's last token + 1; records the step sizes: a long
+    catch-up through `execute_hidden`, a short one's decode entries and the follow-up one-token
+    steps through `executor.run`."""
 
     device = torch.device("cpu")
 
@@ -42,7 +43,7 @@ class CountingRunner:
 
     def _run_decodes(self, batch):
         self.steps.append([1] * batch.num_decode_seqs)
-        return one_hot_next(batch.input_ids.tolist())
+        return one_hot_next(batch.input_ids[batch.logits_indices].tolist())
 
 
 def proposer(num_pages: int = 32, max_catch_up_tokens: int = 64) -> DraftModelProposer:
@@ -100,7 +101,8 @@ def test_a_long_catch_up_is_chunked_and_proposes_nothing_until_done():
     assert p.propose([seq], [2])[0].token_ids == ()
     assert twin_state(p, seq) == (16, 4)
     assert p.propose([seq], [2])[0].token_ids == (31, 32)
-    assert p.draft.runner.steps == [[8], [8], [5], [1]]
+    # The last 5 (at most MAX_DECODE_CATCH_UP) as one-token decode entries, then the fed guess.
+    assert p.draft.runner.steps == [[8], [8], [1, 1, 1, 1, 1], [1]]
     p.release(seq)
     assert p.page_manager.num_free_pages == 32
 
