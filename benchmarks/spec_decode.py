@@ -19,7 +19,8 @@ prompt costs the same prefill whichever method runs it.
    with --draft-model or --draft-layers; `medusa` with --medusa-heads). The cost policy (speculative.cost_policy) is off
    here, so each method runs as it is, losing or not. Prints per-method decode tokens/s
    (first token to last: prefill excluded; p50/p90 over prompts and the aggregate), the ratio to
-   `none`, the acceptance rate and the mean accepted length (tokens emitted per verifying step,
+   `none`, the time to first token (p50; it holds the draft's prompt KV, computed beside the
+   target's prefill), the acceptance rate and the mean accepted length (tokens emitted per verifying step,
    the target's own included; a fallback method's also by the part that proposed), and whether
    every method's tokens equal `none`'s (greedy speculation is exact).
 2. Saturation: --batch-size prompts at once (continuous batching), speculation on (the engine's
@@ -139,6 +140,7 @@ def generate(engine: LLMEngine, prompts: list[list[int]],
 
 def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, methods: tuple[str, ...]) -> bool:
     rates: dict[str, list[float]] = {m: [] for m in methods}
+    ttfts: dict[str, list[float]] = {m: [] for m in methods}  # seconds: a draft's prompt KV is computed there
     decode_s = {m: 0.0 for m in methods}
     tokens: dict[str, list[list[int]]] = {m: [] for m in methods}
     # method -> proposing method -> [proposed, accepted, verified] over that method's runs (a
@@ -148,7 +150,8 @@ def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
         for method in methods if i % 2 == 0 else reversed(methods):
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative_method=method)
             before = _totals(engine)
-            _, seconds, [out] = generate(engine, [prompt], params)
+            wall, seconds, [out] = generate(engine, [prompt], params)
+            ttfts[method].append(wall - seconds)
             for label, now in _totals(engine).items():
                 if now == (then := before.get(label, (0, 0, 0))):
                     continue
@@ -168,7 +171,8 @@ def concurrency_one(engine: LLMEngine, prompts: list[list[int]], max_tokens: int
         same = tokens[method] == tokens["none"]
         all_same &= same
         line = (f"  {method:19s} {agg:8.1f} tok/s  (per prompt p50={statistics.median(rates[method]):.1f} "
-                f"p90={q[8]:.1f})  ratio vs none = {agg / base:.2f}")
+                f"p90={q[8]:.1f})  ratio vs none = {agg / base:.2f}  TTFT p50 "
+                f"{statistics.median(ttfts[method]) * 1e3:.1f} ms")
         if method != "none":
             proposed, accepted, verified = (sum(c[j] for c in counts[method].values()) for j in range(3))
             line += _acceptance(proposed, accepted, verified)

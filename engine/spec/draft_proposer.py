@@ -3,10 +3,15 @@
 The speculator (engine/spec/speculator.py) calls `propose` for the step's speculating decodes.
 Each target sequence has a twin here: a Sequence over the draft's own pages (engine/spec/
 draft_model.py) holding the same tokens, whose KV the draft computes. One `propose` call:
+  0. prefill (colocated: where the engine prefills the target, in steps small enough to
+     speculate): the twin computes the same prompt chunk, so the first proposal's catch-up is
+     the first sampled token alone (one compiled call) and the prompt's draft cost lands in the
+     time to first token, with the target's own prefill, not in the first decode step;
   1. sync: the twin keeps the KV of its tokens that are still the sequence's (its last proposals
      may have been rejected, or never verified); the rest is rolled back and the sequence's new
-     tokens (the accepted run and the target's own token; the whole prompt on first use, as on a
-     decode worker, where the draft's prompt KV is recomputed rather than shipped) are queued;
+     tokens (the accepted run and the target's own token; the whole prompt on first use where it
+     was not prefilled, as on a decode worker, where the draft's prompt KV is recomputed rather
+     than shipped) are queued;
   2. one draft step over all twins computes those tokens (when every twin's are at most
      MAX_DECODE_CATCH_UP, one-token decode entries each; else a prompt chunk or a decode each,
      the catch-up per call capped at the engine's token budget, so a long prompt is chunked over
@@ -62,6 +67,7 @@ class DraftTwin:
 
 class DraftModelProposer(BaseProposer):
     method = "draft"
+    prefills = True
 
     def __init__(self, draft: DraftModel, max_catch_up_tokens: int) -> None:
         self.draft = draft
@@ -72,6 +78,25 @@ class DraftModelProposer(BaseProposer):
         self.fused_steps = draft.fused_steps()  # None: the follow-up steps run in Python
 
     # -- the proposer interface -----------------------------------------------------------------
+    def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> None:
+        """The target computes these prompt chunks in this step: each twin computes its KV through
+        the same tokens (from wherever its own KV ends: a prefix the target had cached is
+        computed here), in one draft step; a twin whose pages are short is left for `propose`."""
+        step = []
+        for seq, n in chunks:
+            twin = self._twin(seq).seq
+            end = seq.num_computed_tokens + n
+            if twin.num_computed_tokens >= end or not self._allocate_through(twin, end):
+                continue
+            twin.token_ids[twin.num_computed_tokens:] = seq.token_ids[twin.num_computed_tokens:end]
+            step.append(ScheduledSeq(twin, end - twin.num_computed_tokens))
+        if not step:
+            return
+        self.draft.runner.execute_hidden(step)  # KV only: the guesses start after the target's first token
+        for s in step:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.twins[s.seq.request_id].num_synced_tokens = s.seq.num_computed_tokens
+
     def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
         guesses: dict[int, list[int]] = {}  # index in seqs -> tokens proposed so far
         draws: dict[int, list[torch.Tensor]] = {}  # index in seqs -> [vocab] distributions (sampled requests)
@@ -194,13 +219,7 @@ class DraftModelProposer(BaseProposer):
     def _sync(self, seq: Sequence) -> DraftTwin:
         """The sequence's twin, its KV rolled back to the tokens still the sequence's (never the
         last one, whose logits the guesses start from) and its tokens the sequence's."""
-        twin = self.twins.get(seq.request_id)
-        if twin is None:
-            twin = DraftTwin(Sequence(seq.request_id, [], seq.params, 0, seq.max_total_tokens))
-            if seq.params.seed is not None:
-                seed = (seq.params.seed * _SEED_MULTIPLIER + _SEED_INCREMENT) % 2**64
-                twin.seq.generator = torch.Generator().manual_seed(seed)
-            self.twins[seq.request_id] = twin
+        twin = self._twin(seq)
         draft, target = twin.seq.token_ids, seq.token_ids
         limit = min(twin.seq.num_computed_tokens, seq.num_tokens - 1)
         agree = min(twin.num_synced_tokens, limit)
@@ -209,6 +228,17 @@ class DraftModelProposer(BaseProposer):
         self._roll_back(twin.seq, agree)
         draft[agree:] = target[agree:]
         twin.num_synced_tokens = seq.num_tokens
+        return twin
+
+    def _twin(self, seq: Sequence) -> DraftTwin:
+        """The sequence's twin, made (holding nothing) on first use."""
+        twin = self.twins.get(seq.request_id)
+        if twin is None:
+            twin = DraftTwin(Sequence(seq.request_id, [], seq.params, 0, seq.max_total_tokens))
+            if seq.params.seed is not None:
+                seed = (seq.params.seed * _SEED_MULTIPLIER + _SEED_INCREMENT) % 2**64
+                twin.seq.generator = torch.Generator().manual_seed(seed)
+            self.twins[seq.request_id] = twin
         return twin
 
     def _allocate_through(self, seq: Sequence, num_tokens: int) -> bool:

@@ -38,6 +38,7 @@ class FallbackProposer(BaseProposer):
             raise ValueError("a fallback method cannot combine proposers that read the target's hidden states")
         self.primary, self.fallback = primary, fallback
         self.method = f"{primary.method}+{fallback.method}"
+        self.prefills = primary.prefills or fallback.prefills
         self.adaptive = adaptive
         self.fallback_states: dict[str, SpecState] = {}  # by request id: the fallback's own k
         # By request id: who made the sequence's pending proposal, and its length.
@@ -65,6 +66,11 @@ class FallbackProposer(BaseProposer):
                     self.pending[seqs[i].request_id] = (self.fallback, len(proposal))
                     proposals[i] = replace(proposal, proposed_by=self.fallback.method)
         return [p if len(p) else NO_PROPOSAL for p in proposals]
+
+    def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> None:
+        for proposer in (self.primary, self.fallback):
+            if proposer.prefills:
+                proposer.prefill(chunks)
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:
         pending = self.pending.pop(seq.request_id, None)

@@ -43,6 +43,10 @@ NO_PROPOSAL = Proposal(())
 
 class BaseProposer(ABC):
     """Call order, per engine step, on the engine's own thread:
+      0. `prefill(chunks)` before the step runs, for the sequences of a step small enough to
+         speculate in that compute prompt tokens in it (sequence, number of tokens from its
+         num_computed_tokens on), only for a proposer with `prefills`: a draft model computes
+         its own KV of the same tokens then, in the step that prefills the target.
       1. `propose(seqs, max_num_tokens)` after the scheduler picked the step, for the decoding
          sequences that may speculate. Each sequence's tokens (prompt + output) are final up to
          its last token, whose KV is not yet computed; a proposal may be shorter than asked
@@ -65,10 +69,14 @@ class BaseProposer(ABC):
     # Whether a proposal costs next to nothing to make, however long (no model runs for it): a
     # sequence alone in its step then always proposes its maximum k (engine/spec/adaptive.py).
     free_proposals = False
+    prefills = False  # whether it wants `prefill` (it keeps KV of its own for the prompt)
 
     @abstractmethod
     def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:
         """One proposal per sequence, at most max_num_tokens[i] tokens long."""
+
+    def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> None:  # noqa: B027 - optional hook
+        pass
 
     def on_verified(self, seq: Sequence, num_accepted: int) -> None:  # noqa: B027 - optional hook
         pass

@@ -8,7 +8,9 @@
     ... the engine appends them (stopping at a stop token / max_tokens), then
     scheduler.commit_drafts(seq, num_accepted)     # KV of rejected positions dropped, pages freed
 
-`plan` proposes only for sequences whose next token is an ordinary decode (never a prompt chunk,
+`plan` first hands the step's prompt chunks to proposers that keep KV of their own (a draft
+model prefills its twin beside the target: engine/spec/draft_proposer.py). It proposes only
+for sequences whose next token is an ordinary decode (never a prompt chunk,
 a recomputation after preemption, or a prefill worker's held request), only in steps of at most
 `max_batch_seqs` sequences and then within what is left of the step's token budget and under
 `max_batch_tokens` (a bigger step is compute-bound: verification would cost more than it saves;
@@ -128,6 +130,7 @@ class Speculator:
             step.all_decodes = not out.preempted and all(_is_decode(s) for s in out.scheduled)
         if out.preempted:  # pages are short: no speculative work this step
             return
+        self._prefill(out)
         budget = proposal_budget(self.config, len(out.scheduled), out.num_tokens, scheduler.max_num_batched_tokens)
         if budget <= 0:  # a big step: no proposer runs (engine/spec/batch_policy.py)
             return
@@ -166,6 +169,23 @@ class Speculator:
                     out.scheduled[index] = s.with_draft(proposal, method)
                 else:  # no pages for it: as if all rejected (a draft model drops its guesses' KV)
                     proposer.on_verified(s.seq, 0)
+
+    def _prefill(self, out: SchedulerOutput) -> None:
+        """Hands the step's prompt chunks to the proposers that keep KV of their own (a draft
+        model computes the same tokens now, beside the target), in steps small enough to speculate
+        in: a bigger one would not propose after them either (a proposer catches up when it first
+        proposes)."""
+        limit = self.config.max_batch_seqs
+        if limit and len(out.scheduled) > limit:
+            return
+        chunks: dict[str, list[tuple[Sequence, int]]] = {}  # method -> [(sequence, tokens this step)]
+        for s in out.scheduled:
+            if s.draft is not None or _is_decode(s) or (state := self.state_of(s.seq)) is None:
+                continue
+            if self.proposers[state.method].prefills:
+                chunks.setdefault(state.method, []).append((s.seq, s.num_new_tokens))
+        for method, items in chunks.items():
+            self.proposers[method].prefill(items)
 
     # -- after the step -----------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq], hidden: torch.Tensor | None = None

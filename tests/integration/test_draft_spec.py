@@ -112,6 +112,33 @@ def test_long_prompts_catch_up_in_chunks_alongside_prefills(loopy_dir, loopy_dra
     assert_draft_pages_free(engine)
 
 
+def test_the_drafts_prompt_kv_is_computed_beside_the_targets_prefill(loopy_dir, loopy_draft_dir):
+    """In-process, each prompt chunk the target computes is computed by the twin in the same step
+    (a token budget of 24: a 70-token prompt in 3 chunks), so its first proposal starts from the
+    first sampled token; a step of more sequences than max_batch_seqs leaves it to `propose`."""
+    prompt = prompts_of(1, 70, seed=65)["r0"]
+    plain = run(make_engine(loopy_dir), {0: {"r0": prompt}}, GREEDY)
+    engine = make_engine(loopy_dir, draft_config(loopy_draft_dir), max_num_batched_tokens=24, max_num_seqs=4)
+    proposer = proposer_of(engine)
+    engine.add_request("r0", prompt, GREEDY)
+    seen = []  # (target's computed tokens, twin's) after each prefill step
+    while not engine.scheduler.running or engine.scheduler.running[0].num_tokens == len(prompt):
+        engine.step()
+        seq = engine.scheduler.running[0]
+        seen.append((min(seq.num_computed_tokens, len(prompt)), proposer.twins["r0"].seq.num_computed_tokens))
+    assert seen == [(24, 24), (48, 48), (70, 70)]
+    out = run(engine, {}, GREEDY)["r0"]
+    assert out.token_ids == plain["r0"].token_ids and out.num_spec_proposed > 0
+    assert_no_page_leak(engine)
+    assert_draft_pages_free(engine)
+
+    crowded = make_engine(loopy_dir, draft_config(loopy_draft_dir, max_batch_seqs=1))
+    for rid, ids in prompts_of(2, 30, seed=67).items():
+        crowded.add_request(rid, ids, GREEDY)
+    crowded.step()  # both prompts in one step of 2 sequences: no speculation, no draft prefill
+    assert not proposer_of(crowded).twins
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_preemption_frees_and_rebuilds_the_draft(loopy_dir, hf_loopy, loopy_draft_dir, prefix_caching):
     prompts = prompts_of(4, 28, seed=57)
