@@ -129,6 +129,13 @@ class CostPolicy:
         state.num_declined += not decision
         return decision
 
+    def favours(self, method: str, num_step_seqs: int) -> bool:
+        """Whether `method` is the side chosen at this step size as last measured (True until it
+        is measured), without counting a decision: for work done ahead of proposing (a draft's
+        prompt KV), which only pays where the method will propose."""
+        state = self.methods.get((method, size_bucket(num_step_seqs)))
+        return state is None or state.on.num_samples < self.min_samples or state.winning
+
     def probe_cost_s(self, state: MethodState, off: StepEstimate) -> float:
         """Seconds a probe is expected to lose: its steps at the other side's mean step time,
         less the time the chosen side takes for as many tokens."""

@@ -173,8 +173,8 @@ class Speculator:
     def _prefill(self, out: SchedulerOutput) -> None:
         """Hands the step's prompt chunks to the proposers that keep KV of their own (a draft
         model computes the same tokens now, beside the target), in steps small enough to speculate
-        in: a bigger one would not propose after them either (a proposer catches up when it first
-        proposes)."""
+        in and where the cost policy has the method proposing at this size: elsewhere it would not
+        propose after them either (a proposer catches up when it first proposes)."""
         limit = self.config.max_batch_seqs
         if limit and len(out.scheduled) > limit:
             return
@@ -185,7 +185,8 @@ class Speculator:
             if self.proposers[state.method].prefills:
                 chunks.setdefault(state.method, []).append((s.seq, s.num_new_tokens))
         for method, items in chunks.items():
-            self.proposers[method].prefill(items)
+            if self.cost is None or self.cost.favours(method, len(out.scheduled)):
+                self.proposers[method].prefill(items)
 
     # -- after the step -----------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq], hidden: torch.Tensor | None = None

@@ -52,6 +52,21 @@ def test_a_losing_method_is_turned_off_after_warm_up_and_re_probed_ever_more_rar
     assert policy.methods[("draft", 4)].winning is False
 
 
+def test_favours_follows_the_choice_without_counting_a_decision():
+    """What a draft's prompt prefill asks (engine/spec/speculator.py): True until measured, then
+    the side chosen at that size; asking moves no probe."""
+    policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2, probe_budget=1.0)
+    assert policy.favours("draft", 4)
+    drive(policy, "draft", 4, 12, plain_s=1.0, spec_s=1.8, accepted_per_step=0.5)  # losing: off
+    state = policy.methods[("draft", 4)]
+    before = (state.decisions_since_probe, state.num_declined)
+    assert not policy.favours("draft", 4)
+    assert (state.decisions_since_probe, state.num_declined) == before
+    assert policy.favours("draft", 1)  # another size: not measured yet
+    drive(policy, "prompt_lookup", 1, 12, plain_s=1.0, spec_s=1.1, accepted_per_step=1.2)
+    assert policy.favours("prompt_lookup", 1)
+
+
 def test_a_winning_method_stays_on_and_the_plain_step_is_re_measured():
     policy = CostPolicy(min_samples=4, probe_interval=20, probe_steps=2, probe_budget=1.0)
     # Prompt-lookup-like at batch 1: +10% time, 1.2 more tokens a step.
