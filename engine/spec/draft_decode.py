@@ -26,8 +26,6 @@ def catch_up_batch(seqs: list[Sequence], page_size: int, device: torch.device) -
     after a fully accepted run), as one-token decode entries over its pages (already held), each
     attending through itself as a verification's rows do; one logits row per sequence, its last."""
     input_ids, positions, num_fed, page_table = decode_inputs(seqs)
-    if int(num_fed.sum()) == len(seqs):
-        return _decode_batch(input_ids, positions, page_table, page_size, device)
     entry_row = torch.repeat_interleave(torch.arange(len(seqs)), num_fed)
     ends = torch.cumsum(num_fed, 0)
     entry_pos = positions[entry_row] + torch.arange(len(input_ids)) - (ends - num_fed)[entry_row]
