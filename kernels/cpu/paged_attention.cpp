@@ -566,10 +566,32 @@ void run_items(const std::vector<Item>& items, const at::Tensor& query, const at
   });
 }
 
-// Fewest members and shared keys for which a group is attended as one (shared_prefix.h):
+// Fewest sequences and shared keys for which a group is attended as one (shared_prefix.h):
 // below them the decode path's grouping by first page (see paged_attention) does as well.
 constexpr size_t kMinSharers = 2;
 constexpr int64_t kMinSharedKeys = 64;
+
+// How many sequences `members` (decode tiles) are. A speculating sequence's verification sends
+// its last token and k proposed ones as 1 + k decode entries over the same pages
+// (engine/model_runner.py), and each must be computed as plain decoding computes it, which
+// alone is never a group: the group path rounds the prefix's softmax weights to bf16 where the
+// decode path keeps fp32, and those last bits flipped greedy tokens (spec_decode.py at 256
+// output tokens). Two entries are one sequence where their tables agree on the page holding
+// the shorter one's last token: each sequence writes its own token's K/V into a page of its
+// own, so two sequences' tables never agree there (a prefix cache shares full pages only).
+size_t count_sequences(const std::vector<size_t>& members, const std::vector<Item>& tiles, const int32_t* table,
+                       int64_t table_stride, const int32_t* lens, int64_t page_size) {
+  std::vector<int64_t> seqs;  // one entry of each sequence found so far
+  for (size_t i : members) {
+    const int64_t b = tiles[i].seq;
+    auto same = [&](int64_t a) {
+      const int64_t page = (std::min(lens[a], lens[b]) - 1) / page_size;
+      return table[a * table_stride + page] == table[b * table_stride + page];
+    };
+    if (std::none_of(seqs.begin(), seqs.end(), same)) seqs.push_back(b);
+  }
+  return seqs.size();
+}
 
 // Takes out of `tiles` the decode tokens whose sequences begin with the same whole pages, as
 // groups of SharedPrefix, heaviest first (threads pull them first).
@@ -582,7 +604,7 @@ std::vector<SharedPrefix> take_shared_prefixes(std::vector<Item>& tiles, const i
   std::vector<SharedPrefix> groups;
   std::vector<char> taken(tiles.size(), 0);
   for (const auto& [page, members] : by_first_page) {
-    if (members.size() < kMinSharers) continue;
+    if (count_sequences(members, tiles, table, table_stride, lens, page_size) < kMinSharers) continue;
     // Whole pages every member has, the same in every member's table from the first on.
     int64_t pages = std::numeric_limits<int64_t>::max();
     for (size_t i : members) pages = std::min<int64_t>(pages, lens[tiles[i].seq] / page_size);

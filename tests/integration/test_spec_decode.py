@@ -341,10 +341,16 @@ def test_bf16_speculation_equals_plain_bf16(tiny_dir):
     decoding's (attended as a chunk, 4 of 48 log-probabilities of a request moved by > 2e-3 here,
     and on stdlib prompts greedy tokens flipped at near-ties)."""
     prompts = prompts_of(8, 40, seed=41)
-    plain = run(make_engine(tiny_dir, dtype="bfloat16"), {0: dict(prompts)}, GREEDY)
-    spec = run(make_engine(tiny_dir, LOOKUP, dtype="bfloat16"), {0: dict(prompts)}, GREEDY)
+    # Pages of 16 tokens: the CPU kernel's shared-prefix group path needs whole 16-token tiles.
+    plain = run(make_engine(tiny_dir, dtype="bfloat16", page_size=16), {0: dict(prompts)}, GREEDY)
+    spec = run(make_engine(tiny_dir, LOOKUP, dtype="bfloat16", page_size=16), {0: dict(prompts)}, GREEDY)
     proposed, accepted = check_same(plain, spec)
     assert proposed > 0 and accepted < proposed
+    # The same bits, not merely close: past 64 keys (here from the 25th token on) a
+    # verification's rows across a page boundary once formed a shared-prefix group among
+    # themselves and rounded their attention differently (tests/kernels/test_cpu_kernels.py).
+    for rid in prompts:
+        assert spec[rid].logprobs == plain[rid].logprobs, rid
 
 
 def test_with_the_cost_policy_greedy_output_is_unchanged_and_steps_are_measured(loopy_dir):

@@ -490,3 +490,39 @@ def test_decodes_sharing_a_long_prefix_are_attended_as_one_group(dtype):
     differs = (got != own).flatten(1).any(1)
     assert differs[:8].any().item() == grouped
     assert not differs[8:].any()
+
+
+@pytest.mark.parametrize("first_len", [64, 95, 111, 126, 300])
+def test_a_verifications_rows_are_attended_as_plain_decoding_attends_each(first_len):
+    """A speculating sequence's 1 + k rows are decode entries over the same pages
+    (engine/model_runner.py); however long the context, and where the rows cross a page
+    boundary too, they never form a shared-prefix group among themselves (whose bf16 rounding
+    of the softmax weights differs from the decode path's), so each row is bit for bit what
+    attending it alone gives. A second sequence sharing the prefix still makes a group with
+    them. Before, a verification across a page boundary at 64 keys or more took the group path,
+    and greedy speculation left plain greedy on stdlib prompts at 256 output tokens."""
+    gen = torch.Generator().manual_seed(first_len)
+    page, rows = 16, 5
+    lens = list(range(first_len, first_len + rows))
+    query, k_cache, v_cache, table, _, _ = _paged_batch([1] * rows, [lens[-1]] * rows, page, 6, 2, 64,
+                                                        torch.bfloat16, gen)
+    same = table[:1].repeat(rows, 1)  # one sequence's table on every row
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    got = cpu_ops.paged_attention(query, k_cache, v_cache, same, starts, torch.tensor(lens, dtype=torch.int32), 0.125)
+    for j, n in enumerate(lens):
+        alone = cpu_ops.paged_attention(query[j:j + 1], k_cache, v_cache, same[:1], starts[:2],
+                                        torch.tensor([n], dtype=torch.int32), 0.125)
+        assert torch.equal(got[j], alone[0]), (first_len, j)
+    if not cpu_ops.shared_prefix_attention_supported():
+        return
+    # Another sequence over the same full first pages, its next token in a page of its own: a group.
+    # (Not the page the verification's first row writes its token into: that one is its own.)
+    shared_pages = (first_len - 1) // page
+    if shared_pages * page < 64:  # too short a prefix for a group (paged_attention.cpp kMinSharedKeys)
+        return
+    other = table[1:2].clone()
+    other[0, :shared_pages] = table[0, :shared_pages]
+    with_other = cpu_ops.paged_attention(
+        torch.cat([query, query[:1]]), k_cache, v_cache, torch.cat([same, other]),
+        torch.arange(rows + 2, dtype=torch.int32), torch.tensor(lens + [first_len + 1], dtype=torch.int32), 0.125)
+    assert not torch.equal(with_other[:rows], got)  # grouped: the group path's rounding
