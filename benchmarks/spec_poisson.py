@@ -12,9 +12,10 @@ The loop adds each request when its arrival time has passed and steps the engine
 TTFT and TPOT run from its arrival (time queued behind a step included), as loadgen defines them.
 Per rate: output tokens/s (first arrival to last token), TPOT p50/p90/p99, TTFT p50/p99, the
 on/off ratios, what was proposed and accepted, and whether the outputs are equal (greedy
-speculation is exact: in float32 they are equal; in bf16 a near-tie may round otherwise in a
-k + 1-row verification than in a one-row decode). A rate beyond what the engine serves is saturation: the queue grows and
-every step runs --max-num-seqs sequences.
+speculation is exact: each of a verification's k + 1 rows is rounded as a one-row decode
+rounds it, bf16 included; outputs can still part where a step's row count changes which kernel
+runs a product, e.g. past kernels/packed_linear.py AMX_GEMM_ROWS on AMX). A rate beyond what
+the engine serves is saturation: the queue grows and every step runs --max-num-seqs sequences.
 """
 
 from __future__ import annotations
