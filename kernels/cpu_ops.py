@@ -152,6 +152,11 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     _require().add_rms_norm_(x, residual, weight, eps)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) * weight for rows of a contiguous [T, H], in add_rms_norm_'s formula."""
+    return _require().rms_norm(x, weight, eps)
+
+
 def rotary_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             num_rotated_heads: int) -> None:
     """In place: the first `num_rotated_heads` heads of each [T, heads, d] row (queries, then

@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
     def final_norm(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # Only the rows that will be sampled need the final norm and the vocabulary projection:
         # for a 1,000-token prefill chunk that is one row, not a thousand.
-        return self.norm(hidden[batch.logits_indices])
+        return self.norm.normed(hidden[batch.logits_indices], self.backend.fused_ops)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_sampled, vocab]

@@ -116,7 +116,7 @@ class GroupDriver:
                 self.group.recv(rows, layout.rank_of(layout.pp_size - 1, 0))
         if rows is None:
             rows = torch.empty(0, self.model.cfg.hidden_size, dtype=self.model.embed_tokens.weight.dtype)
-        return self.model.norm(rows)
+        return self.model.norm.normed(rows, self.model.backend.fused_ops)
 
     @contextmanager
     def pages_command(self, op: int, page_ids: list[int]):

@@ -3,6 +3,8 @@
 // these cut that to a few calls per layer. Each matches its torch composition in
 // engine/model/layers.py / engine/model/rope.py within float rounding (tests/kernels/test_cpu_kernels.py).
 //   add_rms_norm_   residual += x; x = rms_norm(residual) * weight      (both in place)
+//   rms_norm        rms_norm(x) * weight, the same formula without the residual (a stage's first
+//                   norm, the final norm)
 //   rotary_         q/k heads of a fused qkv row rotated by their position (in place)
 //   silu_mul        silu(gate) * up of a fused [gate | up] row
 
@@ -34,12 +36,80 @@ int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<
 
 }  // namespace
 
+namespace {
+
+// One row of RMSNorm in the engine's formula (engine/model/layers.py RMSNorm): the sum of
+// squares in fp32, accumulated per lane (its order differs from torch's by float rounding
+// only); fp32 models weight * (x * inv) as F.rms_norm, reduced precision normalised in fp32,
+// rounded, then scaled. kAdd: residual `rr` += x first (rounded as torch's add) and the sum is
+// what is normalised, into `xr`; else `xr` is normalised into `out`.
+template <bool kAdd, typename scalar_t, typename Tag>
+inline void norm_row(Tag tag, scalar_t* xr, scalar_t* rr, const scalar_t* wp, scalar_t* out, int64_t h, double eps) {
+  const scalar_t* src = kAdd ? rr : xr;
+  scalar_t* dst = kAdd ? xr : out;
+  const int64_t h8 = h - h % 8;
+  v8f sq8{};
+  int64_t i16 = 0;
+#if PDSERVE_VEC_BF16
+  if constexpr (kVec16<scalar_t>) {
+    __m512 sq16 = _mm512_setzero_ps();
+    for (; i16 + 16 <= h; i16 += 16) {
+      __m512 v;
+      if constexpr (kAdd) {
+        v = pdserve::round16(tag, _mm512_add_ps(pdserve::load16(xr + i16), pdserve::load16(rr + i16)));
+        pdserve::store16(rr + i16, v);
+      } else {
+        v = pdserve::load16(xr + i16);
+      }
+      sq16 = _mm512_fmadd_ps(v, v, sq16);
+    }
+    sq8[0] = _mm512_reduce_add_ps(sq16);
+  }
+#endif
+  for (int64_t i = i16; i < h8; i += 8) {
+    v8f v;
+    if constexpr (kAdd) {
+      v = round8(tag, load8(xr + i) + load8(rr + i));
+      store8(rr + i, v);
+    } else {
+      v = load8(xr + i);
+    }
+    sq8 += v * v;
+  }
+  float sq = hsum(sq8);
+  for (int64_t i = h8; i < h; ++i) {
+    if constexpr (kAdd) rr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+    sq += static_cast<float>(src[i]) * static_cast<float>(src[i]);
+  }
+  const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
+  int64_t j16 = 0;
+#if PDSERVE_VEC_BF16
+  if constexpr (kVec16<scalar_t>) {
+    const __m512 inv16 = _mm512_set1_ps(inv);
+    for (; j16 + 16 <= h; j16 += 16)
+      pdserve::store16(dst + j16, _mm512_mul_ps(pdserve::load16(wp + j16),
+                                                pdserve::round16(tag, _mm512_mul_ps(pdserve::load16(src + j16), inv16))));
+  }
+#endif
+  for (int64_t i = j16; i < h8; i += 8) store8(dst + i, load8(wp + i) * round8(tag, load8(src + i) * inv));
+  for (int64_t i = h8; i < h; ++i) {
+    const scalar_t normed = static_cast<scalar_t>(static_cast<float>(src[i]) * inv);
+    dst[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
+  }
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "rms norms take a contiguous x [T, H] and weight [H]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+}
+
+}  // namespace
+
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
-              "add_rms_norm_ takes x and residual [T, H] and weight [H]");
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous(), "x and residual must be contiguous");
-  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
-              "x, residual and weight must share a dtype");
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm_: residual must be a contiguous [T, H] of x's dtype");
   const int64_t rows = x.size(0), h = x.size(1);
   dispatch_dtype(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -48,55 +118,26 @@ void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double 
     const at::Tensor wc = weight.contiguous();
     const scalar_t* wp = wc.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        scalar_t* xr = xp + t * h;
-        scalar_t* rr = rp + t * h;
-        // Eight lanes at a time, then a scalar tail; the sum of squares is accumulated per
-        // lane, so its order differs from torch's by float rounding only.
-        const int64_t h8 = h - h % 8;
-        v8f sq8{};
-        int64_t i16 = 0;
-#if PDSERVE_VEC_BF16
-        if constexpr (kVec16<scalar_t>) {
-          __m512 sq16 = _mm512_setzero_ps();
-          for (; i16 + 16 <= h; i16 += 16) {
-            const __m512 sum = pdserve::round16(tag, _mm512_add_ps(pdserve::load16(xr + i16), pdserve::load16(rr + i16)));
-            pdserve::store16(rr + i16, sum);
-            sq16 = _mm512_fmadd_ps(sum, sum, sq16);
-          }
-          sq8[0] = _mm512_reduce_add_ps(sq16);
-        }
-#endif
-        for (int64_t i = i16; i < h8; i += 8) {
-          const v8f sum = round8(tag, load8(xr + i) + load8(rr + i));  // rounded as torch's add
-          store8(rr + i, sum);
-          sq8 += sum * sum;
-        }
-        float sq = hsum(sq8);
-        for (int64_t i = h8; i < h; ++i) {
-          rr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-          sq += static_cast<float>(rr[i]) * static_cast<float>(rr[i]);
-        }
-        const float inv = 1.f / std::sqrt(sq / static_cast<float>(h) + static_cast<float>(eps));
-        // fp32 models: weight * (x * inv) as F.rms_norm; reduced precision: normalise in fp32,
-        // round, then scale (engine/model/layers.py RMSNorm).
-        int64_t j16 = 0;
-#if PDSERVE_VEC_BF16
-        if constexpr (kVec16<scalar_t>) {
-          const __m512 inv16 = _mm512_set1_ps(inv);
-          for (; j16 + 16 <= h; j16 += 16)
-            pdserve::store16(xr + j16, _mm512_mul_ps(pdserve::load16(wp + j16),
-                                                     pdserve::round16(tag, _mm512_mul_ps(pdserve::load16(rr + j16), inv16))));
-        }
-#endif
-        for (int64_t i = j16; i < h8; i += 8) store8(xr + i, load8(wp + i) * round8(tag, load8(rr + i) * inv));
-        for (int64_t i = h8; i < h; ++i) {
-          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(rr[i]) * inv);
-          xr[i] = static_cast<scalar_t>(static_cast<float>(wp[i]) * static_cast<float>(normed));
-        }
-      }
+      for (int64_t t = begin; t < end; ++t) norm_row<true, scalar_t>(tag, xp + t * h, rp + t * h, wp, nullptr, h, eps);
     });
   });
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_norm_args(x, weight);
+  const int64_t rows = x.size(0), h = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const at::Tensor wc = weight.contiguous();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row<false, scalar_t>(tag, xp + t * h, nullptr, wp, op + t * h, h, eps);
+    });
+  });
+  return out;
 }
 
 void rotary_(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, int64_t num_rotated_heads) {

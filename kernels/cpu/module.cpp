@@ -9,6 +9,7 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
               torch::Tensor slot_mapping);
 torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 bool packed_gemv_supported();
@@ -44,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "scatter K/V rows into their cache slots");
   m.def("skinny_linear", &skinny_linear, "x W^T (+ b) for a few rows of x, streaming W once");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * weight, in place");
+  m.def("rms_norm", &rms_norm, "rms_norm(x) * weight in add_rms_norm_'s formula, without the residual");
   m.def("rotary_", &rotary_, "rotate the first num_rotated_heads heads of each qkv row by its position, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] row");
   m.def("packed_gemv_supported", &packed_gemv_supported, "whether packed_gemv was built (AVX512-BF16)");

@@ -207,6 +207,28 @@ def test_add_rms_norm_matches_the_torch_block_boundary(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_add_rms_norms_formula_without_the_residual(dtype):
+    """A stage's first norm and the final norm (RMSNorm.normed with the fused ops): the same
+    bits as add_rms_norm_ with a zero residual (one formula for every norm of a fused step and
+    of kernels/cpu/greedy_steps.cpp), within rounding of torch's RMSNorm, x left as it was."""
+    from engine.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(12)
+    norm = RMSNorm(100, 1e-6)  # vectors of 16 (or 8) lanes and a scalar tail of 4
+    norm.weight.data = torch.randn(100, generator=gen)
+    norm = norm.to(dtype)
+    x = torch.randn(5, 100, generator=gen).to(dtype)
+    before = x.clone()
+    got = norm.normed(x, cpu_ops)
+    assert torch.equal(x, before)
+    same, _ = norm.add_norm(x.clone(), torch.zeros_like(x), cpu_ops)
+    assert torch.equal(got, same)
+    torch.testing.assert_close(got.float(), norm(x).float(), **TOL[dtype])
+    with pytest.raises(RuntimeError, match="contiguous x"):
+        cpu_ops.rms_norm(x.t(), norm.weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_matches_apply_rotary(dtype):
     from engine.model.rope import RotaryEmbedding, apply_rotary
 
