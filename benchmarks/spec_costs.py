@@ -11,8 +11,9 @@ prompt this prints medians over --repeats of:
     and the vocabulary projection;
   - the draft's whole greedy proposal of k guesses from a one-token catch-up, the compiled call
     engine/spec/draft_proposer.py makes after each verification (kernels/cpu/greedy_steps.cpp),
-    with the draft's weights alone in the caches: inside the engine the target's step runs
-    between two proposals and evicts some of them.
+    with the draft's weights alone in the caches; then both in turn, as the engine runs them
+    (the target's step between two proposals evicts some of the draft's weights, and the other
+    way round).
 """
 
 from __future__ import annotations
@@ -106,6 +107,19 @@ def main() -> None:
             ms = median_ms(lambda s=steps: proposer.fused_steps(*inputs, s), args.repeats)  # type: ignore[misc]
             print(f"draft proposal of {k} guesses (one compiled call): {ms:.3f}  per guess {ms / k:.3f}  "
                   f"({ms / plain:.2f}x a plain target step)")
+        # As the engine runs them: a proposal, then the target's step verifying it, in turn, so
+        # each finds in cache what the other left of its weights.
+        k = max(ks)
+        if k:
+            scheduled = ScheduledSeq(seq, 1).with_draft(Proposal(tuple([5] * k)), "timing")
+            batch = runner.build_batch([scheduled])[0]
+            draft_ms, target_ms = [], []
+            guesses = torch.tensor([k])
+            for _ in range(args.repeats):
+                draft_ms.append(median_ms(lambda: proposer.fused_steps(*inputs, guesses), 1))
+                target_ms.append(median_ms(lambda b=batch: runner.logits(runner.executor.run(b)), 1))
+            print(f"in turn (draft proposal of {k}, then the target's {1 + k}-row step): draft "
+                  f"{statistics.median(draft_ms):.3f}  target {statistics.median(target_ms):.3f}")
 
 
 if __name__ == "__main__":
