@@ -104,39 +104,38 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
 }
 
+// norm_row over every row of x [T, H]: with the residual (kAdd) in place, else into `out`.
+template <bool kAdd>
+void norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+               const at::Tensor& out, const char* name) {
+  const int64_t rows = x.size(0), h = x.size(1);
+  dispatch_dtype(x.scalar_type(), name, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = kAdd ? residual.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = kAdd ? nullptr : out.data_ptr<scalar_t>();
+    const at::Tensor wc = weight.contiguous();
+    const scalar_t* wp = wc.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        norm_row<kAdd, scalar_t>(tag, xp + t * h, kAdd ? rp + t * h : nullptr, wp, kAdd ? nullptr : op + t * h, h, eps);
+    });
+  });
+}
+
 }  // namespace
 
 void add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_norm_args(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm_: residual must be a contiguous [T, H] of x's dtype");
-  const int64_t rows = x.size(0), h = x.size(1);
-  dispatch_dtype(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
-    using scalar_t = decltype(tag);
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    const at::Tensor wc = weight.contiguous();
-    const scalar_t* wp = wc.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) norm_row<true, scalar_t>(tag, xp + t * h, rp + t * h, wp, nullptr, h, eps);
-    });
-  });
+  norm_rows<true>(x, residual, weight, eps, at::Tensor(), "add_rms_norm_");
 }
 
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_norm_args(x, weight);
-  const int64_t rows = x.size(0), h = x.size(1);
   at::Tensor out = at::empty_like(x);
-  dispatch_dtype(x.scalar_type(), "rms_norm", [&](auto tag) {
-    using scalar_t = decltype(tag);
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const at::Tensor wc = weight.contiguous();
-    const scalar_t* wp = wc.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) norm_row<false, scalar_t>(tag, xp + t * h, nullptr, wp, op + t * h, h, eps);
-    });
-  });
+  norm_rows<false>(x, at::Tensor(), weight, eps, out, "rms_norm");
   return out;
 }
 
