@@ -8,10 +8,10 @@
 // Each step is what LlamaForCausalLM.forward + ModelRunner.logits + argmax do for the batch
 // engine/spec/draft_decode.py builds: one-token decode entries (a catch-up of c tokens is c
 // entries over the same pages, each attending through itself, as a verification's rows are),
-// with the same kernels in the same order: embedding, RMSNorm's float32 formula, decode_layers,
-// the residual add, RMSNorm again, the packed GEMV (or the skinny kernel for a draft head cut to
-// the first token ids), argmax. So the guesses, and the KV written for them, are the Python
-// loop's. Why: a draft is small (builtin:code-draft's two layers take well under a millisecond
+// with the same kernels in the same order: embedding, rms_norm (fused_ops.cpp, as
+// RMSNorm.normed takes it), decode_layers, the residual add, rms_norm again, the packed GEMV
+// (or the skinny kernel for a draft head cut to the first token ids), argmax. So the guesses,
+// and the KV written for them, are the Python loop's. Why: a draft is small (builtin:code-draft's two layers take well under a millisecond
 // of kernels a step) and its guesses are only worth their cost when a step costs far less than a
 // target step, so the Python around each step (building the batch, the module calls, the
 // argmax's round trip) was most of it.
@@ -58,6 +58,18 @@ std::vector<int64_t> argmax_rows(const at::Tensor& logits) {
   });
   return best;
 }
+
+// A step's decode entries: each one's row (its column in the guesses), token and position.
+struct Entries {
+  std::vector<int64_t> row, token, pos;
+
+  void add(int64_t r, int64_t t, int64_t p) {
+    row.push_back(r);
+    token.push_back(t);
+    pos.push_back(p);
+  }
+  int64_t size() const { return static_cast<int64_t>(row.size()); }
+};
 
 }  // namespace
 
@@ -107,28 +119,24 @@ at::Tensor greedy_steps(at::Tensor input_ids, at::Tensor positions, at::Tensor n
   const at::Tensor emb = embedding.contiguous();
   const int64_t pages = table_c.size(1), hidden_size = emb.size(1);
   const int32_t* table_p = table_c.data_ptr<int32_t>();
-  const int64_t* ids_in = input_ids.contiguous().data_ptr<int64_t>();
-  const at::Tensor pos_c = positions.contiguous(), fed_c = num_fed.contiguous(), steps_c = num_steps.contiguous();
+  const at::Tensor ids_c = input_ids.contiguous(), pos_c = positions.contiguous();
+  const at::Tensor fed_c = num_fed.contiguous(), steps_c = num_steps.contiguous();
+  const int64_t* ids_in = ids_c.data_ptr<int64_t>();
   const int64_t* first_pos = pos_c.data_ptr<int64_t>();
   const int64_t* fed = fed_c.data_ptr<int64_t>();
   const int64_t* steps_of = steps_c.data_ptr<int64_t>();
   const size_t row_bytes = static_cast<size_t>(hidden_size) * emb.element_size();
   const auto* emb_p = static_cast<const char*>(emb.data_ptr());
   int64_t* out_p = out.data_ptr<int64_t>();
-  // Each entry of the step: its row (the column in `out`), token and position. The first step
-  // feeds every row's catch-up tokens, at consecutive positions; each later step the rows
-  // still guessing, each its last guess.
-  std::vector<int64_t> entry_row, entry_token, entry_pos;
+  // The first step feeds every row's catch-up tokens, at consecutive positions; each later step
+  // the rows still guessing, each its last guess.
+  Entries cur;
   for (int64_t r = 0, k = 0; r < rows; ++r)
-    for (int64_t j = 0; j < fed[r]; ++j, ++k) {
-      entry_row.push_back(r);
-      entry_token.push_back(ids_in[k]);
-      entry_pos.push_back(first_pos[r] + j);
-    }
+    for (int64_t j = 0; j < fed[r]; ++j, ++k) cur.add(r, ids_in[k], first_pos[r] + j);
   const auto int64s = input_ids.options();
   const auto int32s = page_table.options();
   for (int64_t t = 0; t < max_steps; ++t) {
-    const int64_t n = static_cast<int64_t>(entry_row.size());
+    const int64_t n = cur.size();
     at::Tensor pos = at::empty({n}, int64s), slots = at::empty({n}, int64s);
     at::Tensor entry_table = at::empty({n, pages}, int32s), query_start_loc = at::empty({n + 1}, int32s),
                context_lens = at::empty({n}, int32s);
@@ -141,37 +149,34 @@ at::Tensor greedy_steps(at::Tensor input_ids, at::Tensor positions, at::Tensor n
     auto* emb_out = static_cast<char*>(embedded.data_ptr());
     qsl_p[0] = 0;
     for (int64_t e = 0; e < n; ++e) {
-      const int32_t* row_table = table_p + entry_row[e] * pages;
-      const int64_t p = entry_pos[e];
+      const int32_t* row_table = table_p + cur.row[e] * pages;
+      const int64_t p = cur.pos[e];
       std::memcpy(et_p + e * pages, row_table, pages * sizeof(int32_t));
       pos_p[e] = p;
       slot_p[e] = static_cast<int64_t>(row_table[p / page_size]) * page_size + p % page_size;
       qsl_p[e + 1] = static_cast<int32_t>(e + 1);
       len_p[e] = static_cast<int32_t>(p + 1);
-      TORCH_CHECK(entry_token[e] >= 0 && entry_token[e] < emb.size(0), "greedy_steps: token ", entry_token[e],
-                  " is outside the embedding's ", emb.size(0), " rows");
-      std::memcpy(emb_out + e * row_bytes, emb_p + entry_token[e] * row_bytes, row_bytes);
+      const int64_t token = cur.token[e];
+      TORCH_CHECK(token >= 0 && token < emb.size(0), "greedy_steps: token ", token, " is outside the embedding's ",
+                  emb.size(0), " rows");
+      std::memcpy(emb_out + e * row_bytes, emb_p + token * row_bytes, row_bytes);
     }
     at::Tensor hidden = decode_layers(rms_norm(embedded, first_norm, eps), embedded, norms, eps, qkv_w, qkv_bias,
                                       qkv_shape, o_w, o_bias, o_shape, gate_up_w, gate_up_shape, down_w, down_shape,
                                       caches, num_heads, num_kv_heads, head_dim, scale, pos, cos, sin, slots,
                                       entry_table, query_start_loc, context_lens);
     if (t == 0 && n > rows) {  // only each row's last catch-up entry guesses
-      std::vector<int64_t> last;
+      std::vector<int64_t> row_last;
+      Entries kept;
       for (int64_t e = 0; e < n; ++e)
-        if (e + 1 == n || entry_row[e + 1] != entry_row[e]) last.push_back(e);
-      const at::Tensor keep = at::tensor(last, int64s);
+        if (e + 1 == n || cur.row[e + 1] != cur.row[e]) {
+          row_last.push_back(e);
+          kept.add(cur.row[e], cur.token[e], cur.pos[e]);
+        }
+      const at::Tensor keep = at::tensor(row_last, int64s);
       hidden = hidden.index_select(0, keep);
       embedded = embedded.index_select(0, keep);
-      std::vector<int64_t> row, token, position;
-      for (int64_t e : last) {
-        row.push_back(entry_row[e]);
-        token.push_back(entry_token[e]);
-        position.push_back(entry_pos[e]);
-      }
-      entry_row.swap(row);
-      entry_token.swap(token);
-      entry_pos.swap(position);
+      cur = std::move(kept);
     }
     const at::Tensor normed = rms_norm(hidden + embedded, final_norm, eps);
     const at::Tensor logits = head_block_n > 0
@@ -179,18 +184,12 @@ at::Tensor greedy_steps(at::Tensor input_ids, at::Tensor positions, at::Tensor n
                                   : skinny_linear(normed, head, c10::nullopt);
     const std::vector<int64_t> guess = argmax_rows(logits);
     // Rows whose steps are done leave the batch; the rest feed their guess at the next position.
-    std::vector<int64_t> row, token, position;
-    for (size_t e = 0; e < entry_row.size(); ++e) {
-      out_p[t * rows + entry_row[e]] = guess[e];
-      if (steps_of[entry_row[e]] > t + 1) {
-        row.push_back(entry_row[e]);
-        token.push_back(guess[e]);
-        position.push_back(entry_pos[e] + 1);
-      }
+    Entries next;
+    for (int64_t e = 0; e < cur.size(); ++e) {
+      out_p[t * rows + cur.row[e]] = guess[e];
+      if (steps_of[cur.row[e]] > t + 1) next.add(cur.row[e], guess[e], cur.pos[e] + 1);
     }
-    entry_row.swap(row);
-    entry_token.swap(token);
-    entry_pos.swap(position);
+    cur = std::move(next);
   }
   return out;
 }
