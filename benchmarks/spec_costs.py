@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:code-small")
     parser.add_argument("--draft", default=None, help="a draft checkpoint: also time its proposals")
     parser.add_argument("--draft-vocab-size", type=int, default=None)
+    parser.add_argument("--draft-quantization", choices=("none", "int8"), default="none")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--context-tokens", type=int, default=288)
     parser.add_argument("--ks", default="0,1,2,4,6,8")
@@ -65,7 +66,8 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     speculative: dict = {"method": "none", "cost_policy": False}
     if args.draft:
-        speculative |= {"draft_model": args.draft, "draft_vocab_size": args.draft_vocab_size}
+        speculative |= {"draft_model": args.draft, "draft_vocab_size": args.draft_vocab_size,
+                        "draft_quantization": args.draft_quantization}
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, enable_prefix_caching=False,
                                     speculative=speculative))
     print(f"model {args.model}, draft {args.draft}, dtype {next(engine.model.parameters()).dtype}, torch threads "

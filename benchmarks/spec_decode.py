@@ -283,6 +283,8 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-vocab-size", type=int, default=None,
                         help="the draft scores only the first N token ids (speculative.draft_vocab_size)")
+    parser.add_argument("--draft-quantization", choices=("none", "int8"), default=None,
+                        help="the draft's layers on int8 weights (speculative.draft_quantization)")
     parser.add_argument("--fallback-ngram-min", type=int, default=None,
                         help="prompt_lookup+draft: prompt lookup's shortest match that proposes (default: the "
                         "engine's speculative.fallback_ngram_min)")
@@ -316,6 +318,8 @@ def main() -> None:
             speculative["fallback_ngram_min"] = args.fallback_ngram_min
         if args.draft_vocab_size is not None:
             speculative["draft_vocab_size"] = args.draft_vocab_size
+        if args.draft_quantization is not None:
+            speculative["draft_quantization"] = args.draft_quantization
         engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative | {"cost_policy": False},
                                         enable_prefix_caching=False))
         scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"

@@ -46,6 +46,13 @@ class SpeculativeConfig(BaseModel):
     # then always among those ids. Output stays exact either way (verification decides; a sampled
     # guess's distribution is the restricted one); only acceptance can change.
     draft_vocab_size: int | None = Field(None, ge=1)
+    # "int8": the draft's decoder layers multiply by int8 copies of their weights in its decode
+    # steps (one scale per output; each activation row quantized to 8 bits on the fly), on a CPU
+    # with AVX512-VNNI and AVX512-BF16 and a bf16 draft (else the engine refuses to start). Half
+    # the bytes a guess streams, so the draft's weights and the target's fit the caches together;
+    # the guesses may differ from the bf16 draft's. Output stays exact either way (verification
+    # decides); only acceptance and speed change. Prefill chunks keep the bf16 weights.
+    draft_quantization: Literal["none", "int8"] = "none"
     # medusa: heads on the target's last hidden state, head i guessing the token i + 2 positions
     # past it (engine/spec/medusa_proposer.py): a directory in the published Medusa layout
     # (config.json + medusa_lm_head.safetensors / .pt, or a model.safetensors with `medusa_head.`

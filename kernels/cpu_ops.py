@@ -122,6 +122,12 @@ def packed_gemv_supported() -> bool:
     return _require().packed_gemv_supported()
 
 
+def int8_gemv_supported() -> bool:
+    """Whether `packed_gemv` takes int8 weights (kernels/packed_linear.py quantize_int8: AVX512-VNNI
+    and AVX512-BF16)."""
+    return _require().int8_gemv_supported()
+
+
 def amx_attention_supported() -> bool:
     """Whether `paged_attention` multiplies bf16 prefill tiles on AMX (kernels/cpu/prefill_tile_amx.h):
     built for a CPU with AMX, and Linux granted this process the tile registers."""

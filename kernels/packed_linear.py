@@ -82,7 +82,7 @@ class PackedGemv:
     (no copy; `packed` is held so they stay alive), in blocks of `block_n` outputs by tiles of
     `block_k` inputs."""
 
-    def __init__(self, packed: torch.Tensor, blocked: torch.Tensor, out_features: int, block_n: int = 32,
+    def __init__(self, packed: torch.Tensor | None, blocked: torch.Tensor, out_features: int, block_n: int = 32,
                  block_k: int = 32) -> None:
         self.packed, self.blocked, self.out_features = packed, blocked, out_features
         self.block_n, self.block_k = block_n, block_k
@@ -134,3 +134,41 @@ def gemv_for(packed: torch.Tensor | None, weight: torch.Tensor) -> PackedGemv | 
         if torch.allclose(gemv(probe, None).float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
             return gemv
     return None
+
+
+INT8_BLOCK_N, INT8_BLOCK_K = 64, 4  # kernels/cpu/packed_gemv.cpp run_int8's layout
+
+
+def int8_supported() -> bool:
+    """Whether `quantize_int8`'s weights can be multiplied here."""
+    from kernels import cpu_ops
+
+    return cpu_ops.load() is not None and cpu_ops.packed_gemv_supported() and cpu_ops.int8_gemv_supported()
+
+
+def quantize_int8(weight: torch.Tensor) -> PackedGemv | None:
+    """weight [N, K] as kernels/cpu/packed_gemv.cpp's int8 buffer: symmetric int8 with one scale
+    per output (max |w| / 127), laid out [N / 64][K / 4][64][4], then the N fp32 scales and the N
+    int32 sums of each output's int8 weights; a PackedGemv over it (packed_gemv takes a uint8
+    buffer as int8). None where the shape does not fit the blocks (N a multiple of 64, K of 4)."""
+    n, k = weight.shape
+    if n % INT8_BLOCK_N or k % INT8_BLOCK_K:
+        return None
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    blocked = q.reshape(n // INT8_BLOCK_N, INT8_BLOCK_N, k // INT8_BLOCK_K, INT8_BLOCK_K).permute(0, 2, 1, 3)
+    buffer = torch.cat([blocked.contiguous().view(torch.uint8).flatten(),
+                        scale.to(torch.float32).contiguous().view(torch.uint8),
+                        q.sum(dim=1, dtype=torch.int32).contiguous().view(torch.uint8)])
+    return PackedGemv(None, buffer, n, INT8_BLOCK_N, INT8_BLOCK_K)
+
+
+def dequantized_int8(gemv: PackedGemv) -> torch.Tensor:
+    """The float32 weight [N, K] that `quantize_int8`'s buffer stands for (tests' reference)."""
+    n = gemv.out_features
+    k = (gemv.blocked.numel() - 8 * n) // n
+    q = gemv.blocked[: n * k].view(torch.int8).reshape(n // INT8_BLOCK_N, k // INT8_BLOCK_K, INT8_BLOCK_N,
+                                                          INT8_BLOCK_K).permute(0, 2, 1, 3).reshape(n, k)
+    scale = gemv.blocked[n * k : n * k + 4 * n].view(torch.float32)
+    return q.float() * scale[:, None]

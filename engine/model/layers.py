@@ -153,15 +153,20 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def pack_weight(module: nn.Module) -> bool:
+def pack_weight(module: nn.Module, int8: bool = False) -> bool:
     """After loading: module.weight into oneDNN's layout (kernels/packed_linear.py), which
-    `linear` then multiplies by; False, leaving it as it is, where it does not pack."""
+    `linear` then multiplies by; False, leaving it as it is, where it does not pack. `int8`: the
+    few-row products (the GEMV) take an int8 copy of the weight instead of the packed bf16 one
+    (a draft's layers: speculative.draft_quantization), where its shape fits; more rows keep
+    the packed bf16 weight."""
     plain = module.weight.data
     packed = packed_linear.pack(plain)
     if packed is None:
         return False
     module.weight = nn.Parameter(packed, requires_grad=False)
     module.gemv = packed_linear.gemv_for(packed, plain)
+    if int8 and module.gemv is not None:
+        module.gemv = packed_linear.quantize_int8(plain) or module.gemv
     return True
 
 

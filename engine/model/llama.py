@@ -171,21 +171,28 @@ class LlamaForCausalLM(nn.Module):
             weight = self.packed_output
         return linear(hidden, weight, None, self.backend.skinny_linear, gemv).float()
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, int8_layers: bool = False) -> None:
         """After loading, where the backend multiplies by packed weights (kernels/packed_linear.py):
         every linear layer's weight into oneDNN's layout, and the vocabulary projection, which
-        is a packed copy when it is tied to the embedding (the lookup still needs the plain one)."""
+        is a packed copy when it is tied to the embedding (the lookup still needs the plain one).
+        `int8_layers`: the decoder layers' few-row products read int8 copies (pack_weight)."""
         if not self.backend.packs_linears:
             return
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                pack_weight(module)
+                pack_weight(module, int8_layers)
         if self.lm_head is not None:
             pack_weight(self.lm_head)
         else:
             self.packed_output = packed_linear.pack(self.embed_tokens.weight.data)
             self.output_gemv = packed_linear.gemv_for(self.packed_output, self.embed_tokens.weight.data)
         self.fused_decode = FusedDecodeLayers.build(self)
+
+    def gemv_buffers(self) -> list[torch.Tensor]:
+        """The int8 weight copies the few-row products read (pack_weights' int8_layers), which
+        are not parameters."""
+        return [m.gemv.blocked for m in self.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+                and m.gemv is not None and m.gemv.blocked.dtype == torch.uint8]
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads HF-named tensors; fails naming any tensor the model has no place for, lacks,

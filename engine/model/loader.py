@@ -52,8 +52,11 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBackend,
-               ctx: ParallelContext | None = None, layers: range | None = None) -> LlamaForCausalLM:
-    """The model, or the shard `ctx` / `layers` select (engine/parallel/model_shard.py)."""
+               ctx: ParallelContext | None = None, layers: range | None = None,
+               int8_layers: bool = False) -> LlamaForCausalLM:
+    """The model, or the shard `ctx` / `layers` select (engine/parallel/model_shard.py);
+    `int8_layers`: its decoder layers' few-row products on int8 weights (a draft's:
+    speculative.draft_quantization)."""
     cfg = ModelConfig.from_dir(path)
     with torch.device(device):
         model = LlamaForCausalLM(cfg, backend, ctx, layers).to(dtype)
@@ -65,10 +68,10 @@ def load_model(path: Path, dtype: torch.dtype, device: str, backend: AttentionBa
                     yield name, f.get_tensor(name).to(dtype)
 
     model.load_weights(tensors())
-    model.pack_weights()
+    model.pack_weights(int8_layers)
     # Every decode step streams all the weights: onto huge pages (engine/huge_pages.py).
     packed_output = [model.packed_output] if model.packed_output is not None else []
-    huge_pages.collapse([*model.parameters(), *packed_output])
+    huge_pages.collapse([*model.parameters(), *packed_output, *model.gemv_buffers()])
     return model.eval()
 
 

@@ -27,6 +27,7 @@ from engine.page_manager import PageManager
 from engine.parallel.model_shard import attention_backend
 from engine.parallel.shard_executor import LocalExecutor
 from engine.spec.fused_draft import FusedDraftSteps
+from kernels import packed_linear
 
 
 @dataclass
@@ -70,7 +71,12 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, num_pages: int) 
         raise ValueError(f"speculative.draft_model {name!r} has vocab_size {cfg.vocab_size}, the target "
                          f"{target.vocab_size}: a draft must use the target's tokenizer")
     dtype = resolve_dtype(config.dtype, config.device)
-    model = load_model(path, dtype, config.device, attention_backend(config, cfg.head_dim))
+    int8 = config.speculative.draft_quantization == "int8"
+    if int8 and (dtype != torch.bfloat16 or config.device != "cpu" or not packed_linear.int8_supported()):
+        raise ValueError("speculative.draft_quantization int8 needs a bf16 draft on a CPU with AVX512-VNNI and "
+                         f"AVX512-BF16 (here: dtype {dtype}, device {config.device}, int8 kernel "
+                         f"{'available' if packed_linear.int8_supported() else 'unavailable'})")
+    model = load_model(path, dtype, config.device, attention_backend(config, cfg.head_dim), int8_layers=int8)
     kv_cache = KVCache(cfg, num_pages, config.page_size, dtype, config.device)
     runner = ModelRunner(model, LocalExecutor(model, kv_cache), config.page_size, config.device)
     limit = config.speculative.draft_vocab_size

@@ -13,6 +13,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void rotary_(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 bool packed_gemv_supported();
+bool int8_gemv_supported();
 bool amx_attention_supported();
 bool shared_prefix_attention_supported();
 bool packed_gemv_amx_supported();
@@ -49,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotate the first num_rotated_heads heads of each qkv row by its position, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [gate | up] row");
   m.def("packed_gemv_supported", &packed_gemv_supported, "whether packed_gemv was built (AVX512-BF16)");
+  m.def("int8_gemv_supported", &int8_gemv_supported, "whether packed_gemv takes int8 weights (AVX512-VNNI and AVX512-BF16)");
   m.def("amx_attention_supported", &amx_attention_supported, "whether bf16 prefill tiles run on AMX (built with AMX, and the OS grants it)");
   m.def("shared_prefix_attention_supported", &shared_prefix_attention_supported, "whether bf16 decodes sharing cached prefix pages are attended as one group (AVX512-BF16 or AMX)");
   m.def("packed_gemv_amx_supported", &packed_gemv_amx_supported, "whether packed_gemv multiplies 2-32 rows on AMX tiles (32 x 32 layout)");

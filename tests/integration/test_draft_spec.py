@@ -236,6 +236,11 @@ def test_bad_draft_settings_fail_with_their_reason(tiny_dir, tmp_path):
         LLMEngine(EngineConfig(model=str(tiny_dir), speculative={"method": "draft", "draft_model": str(small_vocab)}))
     with pytest.raises(ValueError, match="speculative_method must be one of none, prompt_lookup, draft, medusa"):
         SamplingParams(speculative_method="eagle")
+    with pytest.raises(ValidationError, match="draft_quantization"):
+        EngineConfig(speculative={"method": "draft", "draft_model": str(tiny_dir), "draft_quantization": "int4"})
+    with pytest.raises(ValueError, match="draft_quantization int8 needs a bf16 draft on a CPU with AVX512-VNNI"):
+        LLMEngine(EngineConfig(model=str(tiny_dir), dtype="float32", speculative={
+            "method": "draft", "draft_model": str(tiny_dir), "draft_quantization": "int8"}))
 
 
 def test_a_draft_scoring_only_the_first_token_ids_guesses_among_them_and_stays_exact(loopy_dir, loopy_draft_dir):

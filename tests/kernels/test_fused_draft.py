@@ -10,7 +10,7 @@ import torch
 from engine import SamplingParams
 from engine.sequence import Sequence
 from engine.spec.draft_proposer import DraftModelProposer
-from kernels import cpu_ops
+from kernels import cpu_ops, packed_linear
 from tests.integration.test_draft_spec import assert_draft_pages_free, draft_config, proposer_of
 from tests.integration.test_spec_decode import GREEDY, check_same, make_engine, prompts_of, run
 
@@ -19,6 +19,8 @@ if cpu_ops.load() is None:
 
 
 def _engine(target_dir, draft_dir, fused: bool, **speculative):
+    if speculative.get("draft_quantization") == "int8" and not packed_linear.int8_supported():
+        pytest.skip("no int8 products here (they need AVX512-VNNI and AVX512-BF16)")
     engine = make_engine(target_dir, draft_config(draft_dir, **speculative), dtype="bfloat16")
     proposer = proposer_of(engine)
     if proposer.fused_steps is None:
@@ -53,12 +55,19 @@ def _twin_kv(p: DraftModelProposer, request_id: str) -> list[torch.Tensor]:
     return rows
 
 
-def test_compiled_steps_guess_and_store_what_the_python_loop_does(loopy_dir, loopy_draft_dir, compiled_calls):
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_compiled_steps_guess_and_store_what_the_python_loop_does(loopy_dir, loopy_draft_dir, compiled_calls,
+                                                                  quantization):
     """Three twins at different lengths asking for different k (rows leave the compiled batch as
     their guesses run out); a second round after a partial acceptance (a one-token catch-up
     each); a third after every guess was accepted (two tokens: the last guess and the target's)
-    or none was and the sequence moved on by five (catch-ups of 2, 5 and 2 decode entries)."""
-    proposers = [proposer_of(_engine(loopy_dir, loopy_draft_dir, fused)) for fused in (True, False)]
+    or none was and the sequence moved on by five (catch-ups of 2, 5 and 2 decode entries).
+    int8: the draft's layers multiply by int8 weights on both paths (speculative.draft_quantization)."""
+    proposers = [proposer_of(_engine(loopy_dir, loopy_draft_dir, fused, draft_quantization=quantization))
+                 for fused in (True, False)]
+    if quantization == "int8":
+        layer = proposers[0].draft.runner.model.layers[0]
+        assert layer.mlp.gate_up_proj.gemv.blocked.dtype == torch.uint8
     params = SamplingParams(max_tokens=64, ignore_eos=True)
     lengths, ks = (9, 23, 40), [5, 2, 4]
     results = []
@@ -97,22 +106,24 @@ def test_compiled_steps_guess_and_store_what_the_python_loop_does(loopy_dir, loo
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("draft_vocab_size", [None, 2000])
+@pytest.mark.parametrize("draft_vocab_size, quantization", [(None, "none"), (2000, "none"), (None, "int8")])
 def test_greedy_output_is_the_targets_with_compiled_draft_steps(loopy_dir, loopy_draft_dir, draft_vocab_size,
-                                                               compiled_calls):
+                                                               quantization, compiled_calls):
     """End to end in bf16: the same tokens, proposals and acceptances as with the Python loop
     (and as plain decoding), every draft page free at the end; a draft head cut to the first
-    token ids takes the skinny kernel inside the same loop."""
+    token ids takes the skinny kernel inside the same loop; an int8 draft stays exact."""
     prompts = prompts_of(4, 30, seed=61)
     plain = run(make_engine(loopy_dir, dtype="bfloat16"), {0: dict(prompts)}, GREEDY)
     outs = []
     for fused in (True, False):
-        engine = _engine(loopy_dir, loopy_draft_dir, fused, draft_vocab_size=draft_vocab_size)
+        engine = _engine(loopy_dir, loopy_draft_dir, fused, draft_vocab_size=draft_vocab_size,
+                         draft_quantization=quantization)
         before = len(compiled_calls)
         outs.append(run(engine, {0: dict(prompts)}, GREEDY))
         assert_draft_pages_free(engine)
         assert (len(compiled_calls) > before) == fused  # the compiled loop ran where it was kept, only there
-    check_same(plain, outs[0])
+    proposed, accepted = check_same(plain, outs[0])
+    assert 0 < accepted < proposed
     for rid in prompts:
         a, b = outs[0][rid], outs[1][rid]
         assert a.token_ids == b.token_ids

@@ -53,3 +53,53 @@ def test_engine_packs_linear_weights_only_on_the_cpu_kernel_path(backend, packed
     # Tied embeddings: the lookup keeps the plain table, the output projection a packed copy.
     assert not model.embed_tokens.weight.is_mkldnn
     assert (model.packed_output is not None) == packed
+
+
+def _int8_or_skip():
+    if not packed_linear.int8_supported():
+        pytest.skip("no int8 products here (they need AVX512-VNNI and AVX512-BF16)")
+
+
+def _quantized_reference(x: torch.Tensor, gemv: packed_linear.PackedGemv, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the int8 kernel computes: each row of x quantized to 8 bits (scale max |x| / 127,
+    round to nearest even), times the dequantized weight, in float32."""
+    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 127
+    q = torch.round(x.float() * (1 / scale)).clamp(-127, 127)
+    y = (q @ packed_linear.dequantized_int8(gemv).T) * scale
+    return y if bias is None else y + bias.float()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_products_are_the_quantized_maths_and_each_row_its_own(bias):
+    """speculative.draft_quantization's products (kernels/cpu/packed_gemv.cpp run_int8): within
+    bf16 rounding of the quantized maths, near F.linear (8-bit weights and activations), and each
+    row the same bits whatever rows share the call (1, 5 and 13: past one group of 8)."""
+    _int8_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(640, 100, generator=gen) * 0.05).bfloat16()  # K = 100: a tail past 6 x 16
+    b = torch.randn(640, generator=gen).bfloat16() if bias else None
+    gemv = packed_linear.quantize_int8(weight)
+    assert gemv is not None and gemv.blocked.dtype == torch.uint8 and gemv.max_rows == 64
+    x = torch.randn(13, 100, generator=gen).bfloat16()
+    got = gemv(x, b)
+    want = _quantized_reference(x, gemv, b)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert (got.float() - exact).abs().max() < 0.03 * exact.abs().max()
+    for rows in (1, 5):
+        assert torch.equal(gemv(x[:rows], b), got[:rows])
+    assert all(torch.equal(gemv(x[i:i + 1], b)[0], got[i]) for i in range(13))
+
+
+def test_int8_quantization_declines_shapes_off_its_blocks_and_the_kernel_checks_its_buffer():
+    _int8_or_skip()
+    assert packed_linear.quantize_int8(torch.randn(96, 64).bfloat16()) is None  # 96 outputs: not 64s
+    assert packed_linear.quantize_int8(torch.randn(64, 66).bfloat16()) is None  # 66 inputs: not 4s
+    gemv = packed_linear.quantize_int8(torch.randn(64, 64).bfloat16())
+    assert gemv is not None
+    from kernels import cpu_ops
+
+    with pytest.raises(RuntimeError, match="holds N x K weights, N scales and N sums"):
+        cpu_ops.packed_gemv(torch.randn(1, 64).bfloat16(), gemv.blocked[:-1], 64, None, 64, 4)
+    with pytest.raises(RuntimeError, match="int8_gemv takes bf16 x"):
+        cpu_ops.packed_gemv(torch.randn(1, 64), gemv.blocked, 64, None, 64, 4)
