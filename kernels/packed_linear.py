@@ -80,7 +80,8 @@ class PackedGemv:
     """A packed bf16 weight read in place, for the few-row products of decode steps, by
     kernels/cpu/packed_gemv.cpp: `blocked` is a flat bf16 view of the packed tensor's own bytes
     (no copy; `packed` is held so they stay alive), in blocks of `block_n` outputs by tiles of
-    `block_k` inputs."""
+    `block_k` inputs. Or an int8 copy (`quantize_int8`): `blocked` a uint8 buffer of its own,
+    `packed` None."""
 
     def __init__(self, packed: torch.Tensor | None, blocked: torch.Tensor, out_features: int, block_n: int = 32,
                  block_k: int = 32) -> None:
