@@ -410,6 +410,14 @@ bool packed_gemv_supported() {
 #endif
 }
 
+// The bias as both kernels add it: fp32, contiguous, to the fp32 sums before they are rounded
+// (undefined where there is none).
+static at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->numel() == n, "bias must hold N = ", n, " values, got ", bias->numel());
+  return bias->to(at::kFloat).contiguous();
+}
+
 // y = x W^T (+ b) for a weight in quantize_int8's buffer (run_int8); packed_gemv sends a uint8
 // `blocked` here, so the fused layers take an int8 weight where a bf16 one would go.
 at::Tensor int8_gemv(at::Tensor x, at::Tensor buffer, int64_t n, c10::optional<at::Tensor> bias, int64_t block_n,
@@ -423,11 +431,7 @@ at::Tensor int8_gemv(at::Tensor x, at::Tensor buffer, int64_t n, c10::optional<a
               "an int8 weight buffer holds N x K weights, N scales and N sums (N a multiple of 64, K of 4)");
   if (x.stride(1) != 1) x = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
-  at::Tensor bias_f;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias must hold N = ", n, " values, got ", bias->numel());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = float_bias(bias, n);
 #if PDSERVE_INT8_GEMV
   run_int8(buffer.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.stride(0),
            m, k, n, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
@@ -452,11 +456,7 @@ at::Tensor packed_gemv(at::Tensor x, at::Tensor blocked, int64_t n, c10::optiona
               "the blocked weight must hold N x K elements, N a multiple of the block");
   if (x.stride(1) != 1) x = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
-  at::Tensor bias_f;  // fp32, contiguous: added to the fp32 sums before they are rounded
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "bias must hold N = ", n, " values, got ", bias->numel());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = float_bias(bias, n);
 #if defined(__AVX512BF16__)
   const auto* w = reinterpret_cast<const uint16_t*>(blocked.data_ptr<at::BFloat16>());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
