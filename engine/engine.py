@@ -41,6 +41,7 @@ from engine.spec import BaseProposer, Speculator
 from engine.spec.draft_model import load_draft_model
 from engine.spec.draft_proposer import DraftModelProposer
 from engine.spec.fallback_proposer import FallbackProposer
+from engine.spec.guess_cost import medusa_guess_cost
 from engine.spec.medusa_proposer import MedusaProposer, load_configured_heads
 from engine.spec.prompt_lookup import PromptLookupProposer
 from engine.spec.speculator import build_proposers
@@ -104,7 +105,7 @@ class LLMEngine:
             proposers[hybrid.method] = hybrid
         if self.config.speculative.medusa_heads is not None:
             heads = load_configured_heads(self.config, self.model)
-            proposers[MedusaProposer.method] = MedusaProposer(heads)
+            proposers[MedusaProposer.method] = MedusaProposer(heads, medusa_guess_cost(heads.cfg, self.model_config))
         return proposers
 
     def add_step_observer(self, observer: Callable[[StepStats], None]) -> None:

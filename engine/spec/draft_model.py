@@ -27,6 +27,7 @@ from engine.page_manager import PageManager
 from engine.parallel.model_shard import attention_backend
 from engine.parallel.shard_executor import LocalExecutor
 from engine.spec.fused_draft import FusedDraftSteps
+from engine.spec.guess_cost import draft_guess_cost
 from kernels import packed_linear
 
 
@@ -39,6 +40,7 @@ class DraftModel:
     # [vocab_limit, hidden]: the output projection's first rows (speculative.draft_vocab_size),
     # a contiguous copy so the projection reads only them; None: the model's own projection.
     head: torch.Tensor | None = None
+    guess_cost: float = 0.0  # a guess over a target step (engine/spec/guess_cost.py)
 
     @property
     def max_model_len(self) -> int:
@@ -85,4 +87,4 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, num_pages: int) 
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         head = weight[:limit].contiguous()
     return DraftModel(cfg, runner, kv_cache, PageManager(num_pages, config.page_size, enable_prefix_caching=False),
-                      head)
+                      head, draft_guess_cost(cfg, target, limit, int8))

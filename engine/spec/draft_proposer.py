@@ -76,6 +76,7 @@ class DraftModelProposer(BaseProposer):
         self.max_catch_up_tokens = max_catch_up_tokens
         self.twins: dict[str, DraftTwin] = {}  # by request id
         self.fused_steps = draft.fused_steps()  # None: the follow-up steps run in Python
+        self.guess_cost = draft.guess_cost
 
     # -- the proposer interface -----------------------------------------------------------------
     def prefill(self, chunks: Seq[tuple[Sequence, int]]) -> None:

@@ -40,6 +40,7 @@ class FallbackProposer(BaseProposer):
         self.method = f"{primary.method}+{fallback.method}"
         self.prefills = primary.prefills or fallback.prefills
         self.adaptive = adaptive
+        self.guess_cost = primary.guess_cost  # the request's k: the fallback's follows its own cost
         self.fallback_states: dict[str, SpecState] = {}  # by request id: the fallback's own k
         # By request id: who made the sequence's pending proposal, and its length.
         self.pending: dict[str, tuple[BaseProposer, int]] = {}
@@ -54,9 +55,10 @@ class FallbackProposer(BaseProposer):
                 continue
             state = self.fallback_states.get(seq.request_id)
             if state is None:
-                state = self.fallback_states[seq.request_id] = SpecState(self.fallback.method, k, self.adaptive)
+                state = self.fallback_states[seq.request_id] = SpecState(self.fallback.method, k, self.adaptive,
+                                                                         self.fallback.guess_cost)
             state.max_k = max(state.max_k, k)  # (k may be capped lower by a request's room at first)
-            k = min(k, state.next_k())
+            k = min(k, state.next_k(num_step_seqs=len(seqs)))
             if k > 0:
                 left.append((i, k))
         if left:

@@ -44,8 +44,9 @@ class MedusaProposer(BaseProposer):
     method = "medusa"
     reads_hidden = True
 
-    def __init__(self, heads: MedusaHeads) -> None:
+    def __init__(self, heads: MedusaHeads, guess_cost: float = 0.0) -> None:
         self.heads = heads
+        self.guess_cost = guess_cost  # a head's (engine/spec/guess_cost.py)
         self.max_num_tokens = len(heads)
         self.hidden: dict[str, KeptHidden] = {}  # by request id
 

@@ -69,6 +69,9 @@ class BaseProposer(ABC):
     # Whether a proposal costs next to nothing to make, however long (no model runs for it): a
     # sequence alone in its step then always proposes its maximum k (engine/spec/adaptive.py).
     free_proposals = False
+    # What guessing one token costs, over a plain decode step of the target (engine/spec/
+    # guess_cost.py), for the adaptive k (engine/spec/adaptive.py); 0 for proposers without a model.
+    guess_cost = 0.0
     prefills = False  # whether it wants `prefill` (it keeps KV of its own for the prompt)
 
     @abstractmethod

@@ -118,7 +118,7 @@ class Speculator:
             k = self.config.num_tokens if p.num_speculative_tokens is None else p.num_speculative_tokens
             if method not in self.proposers or k == 0 or seq.hold_kv:
                 return None
-            seq.spec = SpecState(method, k, self.config.adaptive)
+            seq.spec = SpecState(method, k, self.config.adaptive, self.proposers[method].guess_cost)
         return seq.spec
 
     def plan(self, out: SchedulerOutput, scheduler: Scheduler) -> None:
@@ -150,7 +150,7 @@ class Speculator:
                        seq.max_total_tokens - seq.num_tokens)
             proposer = self.proposers[state.method]
             alone_and_free = len(out.scheduled) == 1 and proposer.free_proposals
-            k = min(state.next_k(alone_and_free), room - 1, budget)  # the step emits up to k + 1 tokens
+            k = min(state.next_k(alone_and_free, len(out.scheduled)), room - 1, budget)  # the step emits up to k + 1 tokens
             cap = proposer.max_num_tokens
             k = k if cap is None else min(k, cap)
             if k > 0:

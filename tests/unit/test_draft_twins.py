@@ -49,7 +49,7 @@ class CountingRunner:
 def proposer(num_pages: int = 32, max_catch_up_tokens: int = 64) -> DraftModelProposer:
     draft = SimpleNamespace(runner=CountingRunner(), page_manager=PageManager(num_pages, PAGE_SIZE, False),
                             max_model_len=128, logits=lambda hidden: hidden,
-                            fused_steps=lambda: None)  # its follow-up steps run through executor.run
+                            fused_steps=lambda: None, guess_cost=0.3)  # its follow-up steps: executor.run
     return DraftModelProposer(draft, max_catch_up_tokens)  # type: ignore[arg-type]
 
 

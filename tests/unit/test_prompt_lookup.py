@@ -1,5 +1,5 @@
-"""engine/spec: the prompt-lookup proposer, the adaptive k of a request, and the speculative
-settings (engine config and SamplingParams) with their errors."""
+"""engine/spec: the prompt-lookup proposer, a lone request's k, and the speculative settings
+(engine config and SamplingParams) with their errors (the adaptive k: test_adaptive_k.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pydantic import ValidationError
 
 from configs import EngineSettings
 from engine.sampling_params import SamplingParams
-from engine.spec.adaptive import MAX_PAUSE_STEPS, SpecState
 from engine.spec.prompt_lookup import PromptLookupProposer, find_continuation
 
 
@@ -59,35 +58,6 @@ def test_proposer_caps_each_sequence_at_its_k():
         PromptLookupProposer(3, 2)
 
 
-def test_adaptive_k_grows_on_hits_shrinks_on_misses_and_pauses_on_total_misses():
-    state = SpecState("prompt_lookup", max_k=5)
-    assert state.next_k() == 5
-    state.record(5, 2)  # a miss after two hits: next k = 3
-    assert state.next_k() == 3
-    state.record(3, 3)  # all hit: grow
-    assert state.next_k() == 4
-    state.record(2, 2)  # a short proposal fully accepted does not shrink k
-    assert state.next_k() == 4
-    state.record(4, 0)  # a total miss: k = 1 after a pause of 1 step, then 2, 4 ...
-    assert [state.next_k() for _ in range(2)] == [0, 1]
-    state.record(1, 0)
-    assert [state.next_k() for _ in range(3)] == [0, 0, 1]
-    for _ in range(10):
-        state.record(1, 0)
-        state.pause_steps = 0
-    assert state.backoff_steps == MAX_PAUSE_STEPS
-    state.record(1, 1)  # a hit resets the back-off
-    assert state.backoff_steps == 1 and state.next_k() == 2
-    assert (state.num_proposed, state.num_accepted, state.num_verified) == (5 + 3 + 2 + 4 + 1 + 10 + 1,
-                                                                              2 + 3 + 2 + 1, 16)
-
-
-def test_fixed_k_when_not_adaptive():
-    state = SpecState("prompt_lookup", max_k=3, adaptive=False)
-    state.record(3, 0)
-    assert state.next_k() == 3
-
-
 def test_speculative_settings_are_validated():
     s = EngineSettings.model_validate({"speculative": {"method": "prompt_lookup", "num_tokens": 6,
                                                        "ngram_min": 2, "ngram_max": 4}})
@@ -107,15 +77,6 @@ def test_sampling_params_speculative_fields():
     for bad in (-1, 17, True, 2.0):
         with pytest.raises(ValueError, match="num_speculative_tokens"):
             SamplingParams(num_speculative_tokens=bad)
-
-
-def test_alone_with_free_proposals_the_maximum_k_whatever_the_pause():
-    state = SpecState("prompt_lookup", max_k=4)
-    state.record(4, 0)  # a total miss: k = 1 and a pause of one step, in shared steps
-    assert state.next_k(alone_and_free=True) == 4  # alone: rows are nearly free, no pause
-    assert state.pause_steps == 1  # the pause is kept for the next shared step
-    assert state.next_k() == 0 and state.next_k() == 1
-    assert PromptLookupProposer.free_proposals
 
 
 def test_a_lone_request_proposes_every_step_after_misses():
@@ -150,6 +111,9 @@ def test_a_lone_request_proposes_every_step_after_misses():
     seq.num_computed_tokens = seq.num_tokens - 1
     seq.spec = spec.state_of(seq)
     assert seq.spec is not None
-    seq.spec.record(4, 0)  # paused, were it sharing its step
+    for _ in range(20):
+        seq.spec.record(4, 0)  # so bad a rate that a shared step would pause it
+    assert seq.spec.next_k(num_step_seqs=2) == 0 and seq.spec.pause_steps == 1
     spec.plan(SchedulerOutput([ScheduledSeq(seq, 1)]), Pages())  # type: ignore[arg-type]
     assert recorder.asked == [[4]]
+    assert seq.spec.pause_steps == 1  # the pause is kept for the next shared step

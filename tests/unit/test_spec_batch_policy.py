@@ -64,7 +64,9 @@ def decoding_batch(num_seqs: int, scheduler: Scheduler) -> None:
 @pytest.mark.parametrize("num_seqs", [1, 4, 6, 7, 12, 40])
 def test_no_step_above_the_threshold_speculates(num_seqs):
     threshold = 6
-    config = SpeculativeConfig(method="prompt_lookup", num_tokens=3, max_batch_seqs=threshold, max_batch_tokens=0)
+    # (a fixed k: the adaptive one also turns down as the step grows, test_adaptive_k.py)
+    config = SpeculativeConfig(method="prompt_lookup", num_tokens=3, max_batch_seqs=threshold, max_batch_tokens=0,
+                               adaptive=False)
     proposer = AlwaysProposer()
     speculator = Speculator(config, {"prompt_lookup": proposer})
     scheduler = Scheduler(PageManager(256, 16, enable_prefix_caching=False), 64, 2048)

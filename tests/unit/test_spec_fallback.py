@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 
 from engine import SamplingParams
 from engine.sequence import Sequence
+from engine.spec.adaptive import SpecState
 from engine.spec.fallback_proposer import FallbackProposer
 from engine.spec.proposer import NO_PROPOSAL, BaseProposer, Proposal
 
@@ -54,14 +55,25 @@ def test_the_primary_where_it_has_guesses_else_the_fallback_labelled_by_who_prop
 
 def test_the_fallbacks_k_follows_its_own_misses_and_a_release_forgets_the_sequence():
     primary, fallback = Scripted("lookup", {}), Scripted("draft", {"b": (7, 8, 9, 10)})
+    fallback.guess_cost = 0.3
     hybrid = FallbackProposer(primary, fallback)
+    assert hybrid.guess_cost == 0.0  # the method's own k: the primary's guesses are free
     b = seq("b")
-    assert len(hybrid.propose([b], [4])[0]) == 4
-    hybrid.on_verified(b, 0)  # a total miss: k drops to 1 after a pause of one step
+    first = len(hybrid.propose([b], [4])[0])
+    assert first == SpecState("draft", 4, guess_cost=0.3).next_k()  # the fallback's cost, not the primary's
+    hybrid.on_verified(b, 0)
+    misses = 1
+    while hybrid.propose([b], [4]) != [NO_PROPOSAL]:  # total misses: the rate falls ...
+        hybrid.on_verified(b, 0)
+        misses += 1
+    assert 2 < misses < 10  # ... until even one guess does not pay: a pause of one step
     assert hybrid.propose([b], [4]) == [NO_PROPOSAL]
-    assert len(hybrid.propose([b], [4])[0]) == 1
-    hybrid.on_verified(b, 1)  # all accepted: k grows again
-    assert len(hybrid.propose([b], [4])[0]) == 2
+    assert len(hybrid.propose([b], [4])[0]) == 1  # then a probe
+    ks = [1]
+    for _ in range(10):
+        hybrid.on_verified(b, ks[-1])  # every guess right: the rate climbs, k grows again
+        ks.append(len(hybrid.propose([b], [4])[0]))
+    assert ks == sorted(ks) and ks[-1] == 4
     hybrid.release(b)
     assert not hybrid.pending and not hybrid.fallback_states
     assert primary.released == ["b"] and fallback.released == ["b"]
