@@ -58,7 +58,7 @@ class FallbackProposer(BaseProposer):
                 state = self.fallback_states[seq.request_id] = SpecState(self.fallback.method, k, self.adaptive,
                                                                          self.fallback.guess_cost)
             state.max_k = max(state.max_k, k)  # (k may be capped lower by a request's room at first)
-            k = min(k, state.next_k(num_step_seqs=len(seqs)))
+            k = min(k, state.next_k(num_step_seqs=len(seqs)))  # (the step's speculating sequences: a lower bound of its size)
             if k > 0:
                 left.append((i, k))
         if left:
