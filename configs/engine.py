@@ -70,8 +70,9 @@ class SpeculativeConfig(BaseModel):
     # builtin:tiny on a CPU (docs/benchmarks.md): speculating paid at 4 sequences (1.06x) and
     # cost 7% at 8. Raise it where decode is memory-bound (larger models, GPUs).
     max_batch_seqs: int = Field(4, ge=0, le=4096)
-    # Each request's k follows its acceptance: one more after a step that accepted everything,
-    # down to what was accepted (+1) after a miss, and a growing pause after a step accepting none.
+    # Each request's k from its recent acceptance rate and what a proposed token costs: the k
+    # with the most expected tokens per unit of step time, and growing pauses with one-token
+    # probes where none pays (engine/spec/adaptive.py). Off: always num_tokens.
     adaptive: bool = True
     # Per method and step size, the tokens/s of steps that speculated with it is measured against
     # that of plain steps, and a method proposes only while it is at least as fast; the side not
