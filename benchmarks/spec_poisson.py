@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--method", choices=("prompt_lookup", "draft", "prompt_lookup+draft"), default="prompt_lookup")
     parser.add_argument("--draft-model", default=None,
                         help="the draft for --method draft or prompt_lookup+draft (builtin:code-draft)")
+    parser.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
+                        help="the draft's layers on int8 weights (speculative.draft_quantization)")
     parser.add_argument("--no-cost-policy", action="store_true", help="the `on` engine without speculative.cost_policy")
     parser.add_argument("--rates", default="4,16,64", help="requests/s, comma-separated")
     parser.add_argument("--num-requests", type=int, default=32, help="per rate and engine")
@@ -93,7 +95,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     common = dict(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False)
-    speculative = {"method": args.method, "draft_model": args.draft_model, "cost_policy": not args.no_cost_policy}
+    speculative = {"method": args.method, "draft_model": args.draft_model, "cost_policy": not args.no_cost_policy,
+                   "draft_quantization": args.draft_quantization}
     engines = {"off": LLMEngine(EngineConfig(**common)),
                "on": LLMEngine(EngineConfig(**common, speculative=speculative))}
     on_config = engines["on"].config.speculative
