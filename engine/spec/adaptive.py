@@ -30,9 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_PAUSE_STEPS = 16
-# A plain decode step's work outside the model's forward (scheduling, sampling, appending,
-# outputs), over the forward's time: builtin:code-small at one sequence on a 2-core CPU, about
-# 0.37 ms around a 0.74 ms forward. It is paid once a step however many tokens the step makes.
+# What a step costs whatever its k, over a plain step's forward. The engine's own work around a
+# step (scheduling, sampling, outputs) is under 0.1 of it (builtin:code-small, one sequence,
+# 2-core CPU); 0.5 because acceptance comes in runs: after a right guess the next is more often
+# right than the rate says, so the geometric tokens(k) undercounts long proposals, and a higher
+# fixed cost favours them. Replaying the target's greedy outputs with builtin:code-draft's
+# guesses, 0.5 chose k's 2-3% faster than 0.1 (docs/benchmarks.md).
 STEP_OVERHEAD = 0.5
 # One extra verification row, over a plain step: at one sequence the step reads the same weights
 # for 1 + k rows (builtin:code-small, 2-core AVX-512 CPU: 5 rows 1.44x one row, 9 rows 2.18x).
