@@ -11,7 +11,10 @@ RequestOptions: what `pdserve bench --speculative-method` sends), greedy, EOS ig
 method the decode tokens/s as the client saw it (first streamed token to last: prefill and the
 KV transfer excluded; p50/p90 over prompts and the aggregate), the ratio to `none`, and the
 acceptance rate and mean accepted length from the decode worker's Prometheus counters (the
-YAML's decode pool must set metrics_base_port), read before and after.
+YAML's decode pool must set metrics_base_port), read around each request and summed over the
+proposers' labels: the counters are by the method that proposed, so a `prompt_lookup+draft`
+request's tokens are counted under `prompt_lookup` and `draft`, and only reading them per
+request keeps them apart from those methods' own requests.
 """
 
 from __future__ import annotations
@@ -41,37 +44,40 @@ COUNTERS = ("pdserve_worker_spec_proposed_tokens", "pdserve_worker_spec_accepted
             "pdserve_worker_spec_verify_steps")
 
 
-def spec_counters(url: str) -> dict[tuple[str, str], float]:
-    """(counter, method) -> value, summed over the worker's other labels."""
+def spec_counters(url: str) -> dict[str, float]:
+    """counter -> value, summed over the worker's labels (every proposing method's)."""
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out: dict[tuple[str, str], float] = {}
+    out = dict.fromkeys(COUNTERS, 0.0)
     for family in text_string_to_metric_families(text):
         if family.name in COUNTERS:
             for sample in family.samples:
                 if sample.name.endswith("_total"):
-                    key = (family.name, sample.labels.get("method", ""))
-                    out[key] = out.get(key, 0.0) + sample.value
+                    out[family.name] += sample.value
     return out
 
 
 async def measure(address: str, prompts: list[list[int]], max_tokens: int, methods: tuple[str, ...],
-                  metrics_url: str) -> tuple[dict[str, list[RequestRecord]], dict[tuple[str, str], float]]:
-    """Each method's records, and the speculative counters after the warm-up."""
+                  metrics_url: str) -> tuple[dict[str, list[RequestRecord]], dict[str, dict[str, float]]]:
+    """Each method's records, and its requests' speculative counters (counter -> total)."""
     records: dict[str, list[RequestRecord]] = {m: [] for m in methods}
+    counts = {m: dict.fromkeys(COUNTERS, 0.0) for m in methods}
     async with contextlib.AsyncExitStack() as stack:
         backends = {m: await stack.enter_async_context(make_backend("grpc", address,
                                                                      options=RequestOptions(speculative_method=m)))
                     for m in methods}
         for m in methods:  # warm-up: each method's first-call costs (the draft's too) stay out
             await run_load(backends[m], [BenchRequest(tuple(prompts[0]), 8, "warmup")], [0.0])
-        before = spec_counters(metrics_url)
         for i, prompt in enumerate(prompts):
             for m in methods if i % 2 == 0 else tuple(reversed(methods)):
+                before = spec_counters(metrics_url)  # (outside the timed stream: first token to last)
                 [record], _ = await run_load(backends[m], [BenchRequest(tuple(prompt), max_tokens, "code")], [0.0], 1)
                 if not record.ok:
                     raise SystemExit(f"request failed ({m}): {record.error}")
                 records[m].append(record)
-    return records, before
+                after = spec_counters(metrics_url)
+                for c in COUNTERS:
+                    counts[m][c] += after[c] - before[c]
+    return records, counts
 
 
 def main() -> None:
@@ -97,8 +103,7 @@ def main() -> None:
     metrics_url = f"http://127.0.0.1:{config.decode.metrics_base_port}/metrics"
     with Cluster(config, args.config) as cluster:
         print(f"cluster up: {args.config} ({config.mode}, model {config.model}), router {cluster.grpc_address}")
-        records, before = asyncio.run(measure(cluster.grpc_address, prompts, args.max_tokens, methods, metrics_url))
-        after = spec_counters(metrics_url)
+        records, counts = asyncio.run(measure(cluster.grpc_address, prompts, args.max_tokens, methods, metrics_url))
     print("cluster stopped")
     print(f"concurrency 1: {len(prompts)} prompts x {args.max_tokens} tokens, decode tokens/s as streamed "
           "(first token to last)")
@@ -110,10 +115,9 @@ def main() -> None:
         agg = decoded / seconds
         base = base or agg
         q = statistics.quantiles(rates, n=10) if len(rates) > 1 else rates * 9
-        line = (f"  {m:14s} {agg:8.1f} tok/s  (per prompt p50={statistics.median(rates):.1f} p90={q[8]:.1f})  "
+        line = (f"  {m:19s} {agg:8.1f} tok/s  (per prompt p50={statistics.median(rates):.1f} p90={q[8]:.1f})  "
                 f"ratio vs none = {agg / base:.2f}")
-        delta = {c: after.get((c, m), 0.0) - before.get((c, m), 0.0) for c in COUNTERS}
-        proposed, accepted, verified = (delta[c] for c in COUNTERS)
+        proposed, accepted, verified = (counts[m][c] for c in COUNTERS)
         if m != "none":
             line += (f"  server: acceptance rate {accepted / proposed:.2f}  mean accepted length "
                      f"{(accepted + verified) / verified:.2f}  ({proposed:.0f} proposed in {verified:.0f} verifications)"

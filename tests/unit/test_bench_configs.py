@@ -41,3 +41,16 @@ def test_goodput_layouts_share_the_same_two_cores():
         assert 1.9 < cores(layouts[name], ["prefill", "decode"]) <= 2
     ports = [cfg.router.grpc_port for cfg in layouts.values()]
     assert len(set(ports)) == len(ports)
+
+
+def test_the_tuned_speculative_config_is_the_plain_one_plus_the_draft_settings():
+    """configs/bench/spec-1p1d-code-tuned.yaml (benchmarks/spec_served.py) differs from
+    spec-1p1d-code.yaml only in the decode pool's draft settings and the router's ports."""
+    plain = load_cluster_config(BENCH_CONFIGS / "spec-1p1d-code.yaml")
+    tuned = load_cluster_config(BENCH_CONFIGS / "spec-1p1d-code-tuned.yaml")
+    spec = tuned.decode.engine.speculative
+    assert (spec.draft_vocab_size, spec.fallback_ngram_min, spec.draft_quantization) == (2048, 2, "int8")
+    assert spec.model_copy(update={"draft_vocab_size": None, "fallback_ngram_min": 1, "draft_quantization": "none"}) \
+        == plain.decode.engine.speculative
+    assert tuned.prefill == plain.prefill and tuned.model == plain.model
+    assert not (router_ports(plain) & router_ports(tuned)) - {None}  # (no HTTP port in either)
