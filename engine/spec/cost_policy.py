@@ -24,7 +24,11 @@ and measured apart, as its extra time over them: it carries what the method skip
 (a draft's catch-up), a cost of probing, not of proposing, and counted in the means it would
 keep a method that pays off (a draft at concurrency 1: every probe looks dear and losing).
 Only steps of decodes alone are measured (a prompt chunk's cost would be charged to whichever
-side ran it), and not a step whose proposer ran but proposed nothing (prompt lookup without a
+side ran it). A step in which a proposer computed prompt tokens of its own KV counts as one: a
+draft's first catch-up where its prompt was not prefilled (a decode worker that could not
+compute it ahead) is a cost once per request, 12-15 ms for a 256-token prompt on one core of a
+2-core CPU, and charged to the method's steps it turned off a draft that pays. Nor is a step
+measured whose proposer ran but proposed nothing (prompt lookup without a
 match: a few decisions on such steps early in a request would turn a method off before it was
 tried); the decisions apply to every step. Greedy output is unchanged by any decision:
 the policy only decides whether proposals are made, verification keeps the target's tokens.

@@ -105,6 +105,7 @@ class DraftModelProposer(BaseProposer):
         step: list[ScheduledSeq] = []
         index_of: dict[int, int] = {}  # id(twin sequence) -> index in seqs
         budget = self.max_catch_up_tokens
+        self.computed_prompt = False
         for i, (seq, k) in enumerate(zip(seqs, max_num_tokens)):
             # Guess j is fed at position num_tokens + j - 1: stay inside the draft's context.
             k = min(k, self.draft.max_model_len - seq.num_tokens)
@@ -118,6 +119,7 @@ class DraftModelProposer(BaseProposer):
             if not self._allocate_through(twin.seq, end):
                 continue  # the draft's pages are short: no proposal for this one now
             budget -= chunk
+            self.computed_prompt |= twin.seq.num_computed_tokens < seq.num_prompt_tokens
             step.append(ScheduledSeq(twin.seq, chunk))
             index_of[id(twin.seq)] = i
             if chunk == num_new:

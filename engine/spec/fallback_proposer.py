@@ -61,8 +61,10 @@ class FallbackProposer(BaseProposer):
             k = min(k, state.next_k(num_step_seqs=len(seqs)))  # (the step's speculating sequences: a lower bound of its size)
             if k > 0:
                 left.append((i, k))
+        self.computed_prompt = self.primary.computed_prompt
         if left:
             made = self.fallback.propose([seqs[i] for i, _ in left], [k for _, k in left])
+            self.computed_prompt |= self.fallback.computed_prompt
             for (i, _), proposal in zip(left, made):
                 if len(proposal):
                     self.pending[seqs[i].request_id] = (self.fallback, len(proposal))

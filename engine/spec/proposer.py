@@ -73,6 +73,10 @@ class BaseProposer(ABC):
     # guess_cost.py), for the adaptive k (engine/spec/adaptive.py); 0 for proposers without a model.
     guess_cost = 0.0
     prefills = False  # whether it wants `prefill` (it keeps KV of its own for the prompt)
+    # Set by each `propose`: whether that call computed prompt tokens of its own KV (a draft
+    # model's first catch-up where its prompt was not prefilled, as on a decode worker): a cost
+    # once per request, which the cost policy must not charge to the method's steps.
+    computed_prompt = False
 
     @abstractmethod
     def propose(self, seqs: Seq[Sequence], max_num_tokens: Seq[int]) -> list[Proposal]:

@@ -161,6 +161,8 @@ class Speculator:
             if step is not None:
                 step.methods.add(method)
             proposals = proposer.propose([out.scheduled[i].seq for i, _ in items], [k for _, k in items])
+            if step is not None and proposer.computed_prompt:  # a prompt chunk in all but name: not measured
+                step.all_decodes = False
             for (index, _), proposal in zip(items, proposals):
                 s = out.scheduled[index]
                 if not len(proposal):
@@ -276,7 +278,7 @@ class _StepRecord:
 
     start: float  # the clock when the step began
     num_seqs: int = 0  # sequences scheduled (0: nothing ran)
-    all_decodes: bool = False  # every one an ordinary decode (no prompt chunk, no preemption)
+    all_decodes: bool = False  # every one an ordinary decode (no prompt chunk, no preemption, no proposer's prompt)
     methods: set[str] = field(default_factory=set)  # whose proposers ran (step_stats: whose proposals were verified)
     num_tokens: int = 0  # emitted (verified tokens included)
 

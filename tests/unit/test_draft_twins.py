@@ -69,6 +69,7 @@ def test_guesses_then_rollback_to_the_accepted_run():
     [proposal] = p.propose([seq], [3])
     assert proposal.token_ids == (31, 32, 33)
     assert p.draft.runner.steps == [[11], [1], [1]]  # catch-up of prompt + token, then 2 fed guesses
+    assert p.computed_prompt  # its prompt was not prefilled here: the cost policy leaves this step out
     assert twin_state(p, seq) == (13, 4)  # 11 tokens + guesses 31, 32 computed; 13 tokens = 4 pages
     p.on_verified(seq, 1)  # 31 accepted, 32 rejected
     assert twin_state(p, seq) == (12, 3)
@@ -76,6 +77,7 @@ def test_guesses_then_rollback_to_the_accepted_run():
     [proposal] = p.propose([seq], [2])
     assert proposal.token_ids == (51, 52)
     assert p.draft.runner.steps[-2:] == [[1], [1]]  # only the target's token was new
+    assert not p.computed_prompt
     p.on_verified(seq, 2)
     assert twin_state(p, seq) == (14, 4)  # 13 tokens + 51 (52 was never fed)
     p.release(seq)
@@ -101,6 +103,7 @@ def test_a_long_catch_up_is_chunked_and_proposes_nothing_until_done():
     assert p.propose([seq], [2])[0].token_ids == ()
     assert twin_state(p, seq) == (16, 4)
     assert p.propose([seq], [2])[0].token_ids == (31, 32)
+    assert p.computed_prompt  # its last 4 prompt tokens were in this call's catch-up
     # The last 5 (at most MAX_DECODE_CATCH_UP) as one-token decode entries, then the fed guess.
     assert p.draft.runner.steps == [[8], [8], [1, 1, 1, 1, 1], [1]]
     p.release(seq)

@@ -227,6 +227,36 @@ def test_cost_policy_off_leaves_the_thresholds_alone():
     assert all(fake_step(speculator, scheduler, FakeClock(), spec_s=3.0, plain_s=1.0) for _ in range(12))
 
 
+class PromptComputingProposer(AlwaysProposer):
+    """Says that its `prompt_call`-th propose computed prompt tokens of its own KV (a draft's
+    first catch-up of a request whose prompt it did not prefill, as on a decode worker)."""
+
+    def __init__(self, prompt_call: int) -> None:
+        super().__init__()
+        self.prompt_call, self.num_calls = prompt_call, 0
+
+    def propose(self, seqs, max_num_tokens):
+        self.num_calls += 1
+        self.computed_prompt = self.num_calls == self.prompt_call
+        return super().propose(seqs, max_num_tokens)
+
+
+def test_a_step_whose_proposer_computed_a_prompt_is_not_measured():
+    """A cost once per request, not of the method's steps: charged to them in the middle of a run
+    (where nothing keeps a run's first step apart), it turned off a draft that pays."""
+    clock = FakeClock()
+    speculator = Speculator(SpeculativeConfig(method="prompt_lookup", adaptive=False),
+                            {"prompt_lookup": PromptComputingProposer(prompt_call=3)}, clock=clock)
+    assert speculator.cost is not None
+    scheduler = Scheduler(PageManager(256, 16, enable_prefix_caching=False), 64, 2048)
+    decoding_batch(2, scheduler)
+    for spec_s in (3.0, 3.0, 30.0, 3.0):  # a run's first step (apart), measured, the prompt's, measured
+        assert fake_step(speculator, scheduler, clock, spec_s=spec_s, plain_s=1.0)
+    state = speculator.cost.methods[("prompt_lookup", 2)]
+    assert state.on.num_samples == 2 and state.on.seconds == pytest.approx(3.0)
+    assert state.num_first_steps == 0 and state.in_run
+
+
 class NeverProposer(AlwaysProposer):
     def propose(self, seqs, max_num_tokens):
         self.num_asked += len(seqs)

@@ -77,3 +77,15 @@ def test_the_fallbacks_k_follows_its_own_misses_and_a_release_forgets_the_sequen
     hybrid.release(b)
     assert not hybrid.pending and not hybrid.fallback_states
     assert primary.released == ["b"] and fallback.released == ["b"]
+
+
+def test_a_prompt_computed_by_the_fallback_is_the_methods_until_its_next_call():
+    """The speculator leaves a step whose proposer computed prompt KV out of the cost policy's
+    means (engine/spec/cost_policy.py): the flag must come through the fallback method."""
+    primary, fallback = Scripted("lookup", {"a": (5,)}), Scripted("draft", {"b": (7,)})
+    hybrid = FallbackProposer(primary, fallback)
+    fallback.computed_prompt = True  # as a draft's first catch-up leaves it
+    hybrid.propose([seq("a")], [2])  # the primary served it: the fallback did not run
+    assert not hybrid.computed_prompt
+    hybrid.propose([seq("b")], [2])
+    assert hybrid.computed_prompt
