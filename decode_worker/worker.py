@@ -3,7 +3,9 @@ stream tokens back to the router.
 
 Driven by a loop that calls `handle(message)` for router messages and `step()` repeatedly.
 `ReserveKV` brings the prompt and its sampling settings; the request joins the batch the moment
-the receiver reports its transfer DONE (the final frame carries the first token). Every
+the receiver reports its transfer DONE (the final frame carries the first token). Meanwhile a
+draft model's prompt KV is computed here (engine.run_ahead, from `step`), beside the prefill
+worker computing the target's, so the request's first decode step carries no prompt. Every
 reservation ends exactly once: joined, cancelled by Abort, or dropped when its transfer fails or
 its lease (the transfer's deadline) runs out, and the router hears Failed and may retry elsewhere. Lifecycle events
 (reserved, transfer_received, joined, finished, aborted, failed) go to the structured log under
@@ -12,6 +14,7 @@ the router's request id (configs/logging_setup.py).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Callable
@@ -81,9 +84,11 @@ class DecodeWorker:
             raise ValueError(f"a decode worker does not take {type(message).__name__}")
 
     def step(self, idle_wait_s: float = 0.005) -> bool:
-        """Takes in arrived KV, joins ready requests, runs one decode step. Returns whether the
-        engine ran; with nothing to run it waits up to idle_wait_s for KV instead of spinning."""
-        idle = not self.engine.has_unfinished_requests() and self.receiver.num_pending > 0
+        """Computes some of a reserved request's draft prompt KV (while its KV is on the way),
+        takes in arrived KV, joins ready requests, runs one decode step. Returns whether it did
+        work; with nothing to run it waits up to idle_wait_s for KV instead of spinning."""
+        ahead = self.engine.run_ahead()
+        idle = not ahead and not self.engine.has_unfinished_requests() and self.receiver.num_pending > 0
         for outcome in poll(self.receiver, self.kv_transport, idle_wait_s if idle else 0.0):
             if outcome.state is not TransferState.DONE:
                 self._fail(outcome.request_id, "transfer", f"KV transfer {outcome.state.value}: {outcome.detail}")
@@ -93,7 +98,7 @@ class DecodeWorker:
                 self.log.event("transfer_received", outcome.request_id)
                 self._join(outcome.request_id, outcome.first_token)
         if not self.engine.has_unfinished_requests():
-            return False
+            return ahead
         for out in self.engine.step():
             self._emit_tokens(out)
         return True
@@ -125,6 +130,12 @@ class DecodeWorker:
         self.receiver.expect(message.request_id, list(res.page_ids[res.num_cached_pages :]), lease_s, token)
         self.emit(Reserved(message.request_id, self.worker_id, self.kv_address, len(res.page_ids),
                            res.num_cached_pages, token))
+        # A draft model's prompt KV is computed here while the prefill worker computes the
+        # target's (step -> engine.run_ahead), not in the request's first decode step: at low load
+        # this worker would only wait for the KV meanwhile.
+        with contextlib.suppress(ValueError):  # settings the join refuses, saying why (_join)
+            self.engine.expect_prefilled_request(message.request_id, list(message.prompt_token_ids),
+                                                 sampling_params(message.sampling))
 
     def _join(self, request_id: str, first_token: int) -> None:
         reserve = self._reserved.pop(request_id)

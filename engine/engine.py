@@ -165,6 +165,7 @@ class LLMEngine:
         if res.num_tokens != seq.num_prompt_tokens:
             raise ValueError(f"reservation covers {res.num_tokens} tokens, the prompt has {seq.num_prompt_tokens}")
         self.handoff.take(request_id)
+        self.speculator.joined(request_id)
         seq.page_table, seq.page_hashes = list(res.page_ids), list(res.page_hashes)
         seq.num_computed_tokens = seq.num_cached_prompt_tokens = seq.num_prompt_tokens
         seq.token_ids.append(int(first_token))
@@ -177,6 +178,18 @@ class LLMEngine:
         return RequestOutput(request_id, [], [], True, reason, seq.num_prompt_tokens,
                              seq.num_cached_prompt_tokens, seq.output_token_ids, [])
 
+    def expect_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """A request whose pages were reserved (handoff.reserve) and whose KV is on its way: a
+        proposer that keeps KV of its own (a draft model) computes the prompt's in `run_ahead`,
+        while the prefill worker computes the target's, and not in the request's first decode
+        step. Raises ValueError where add_prefilled_request would."""
+        self.speculator.expect(self._new_sequence(request_id, prompt_token_ids, params))
+
+    def run_ahead(self) -> bool:
+        """Some of the expected requests' work (at most a step's token budget of a draft's
+        prompt KV), outside any step; returns whether there was any."""
+        return self.speculator.prefill_ahead(len(self.scheduler.running) + 1, self.scheduler.max_num_batched_tokens)
+
     def abort_request(self, request_id: str) -> bool:
         """Ends a request now and frees its pages (also held KV and reservations); False if
         it holds nothing here."""
@@ -185,6 +198,7 @@ class LLMEngine:
             self.speculator.release(seq)
             self.scheduler.finish(seq, FinishReason.ABORT)
             return True
+        self.speculator.forget(request_id)
         return self.handoff.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:

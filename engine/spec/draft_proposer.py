@@ -4,14 +4,14 @@ The speculator (engine/spec/speculator.py) calls `propose` for the step's specul
 Each target sequence has a twin here: a Sequence over the draft's own pages (engine/spec/
 draft_model.py) holding the same tokens, whose KV the draft computes. One `propose` call:
   0. prefill (colocated: where the engine prefills the target, in steps small enough to
-     speculate): the twin computes the same prompt chunk, so the first proposal's catch-up is
+     speculate; on a decode worker: while the request's KV is on its way, the speculator's
+     `prefill_ahead`): the twin computes the same prompt chunk, so the first proposal's catch-up is
      the first sampled token alone (one compiled call) and the prompt's draft cost lands in the
      time to first token, with the target's own prefill, not in the first decode step;
   1. sync: the twin keeps the KV of its tokens that are still the sequence's (its last proposals
      may have been rejected, or never verified); the rest is rolled back and the sequence's new
-     tokens (the accepted run and the target's own token; the whole prompt on first use where it
-     was not prefilled, as on a decode worker, where the draft's prompt KV is recomputed rather
-     than shipped) are queued;
+     tokens (the accepted run and the target's own token; on first use, whatever of the prompt
+     was not prefilled, as on a decode worker whose request's KV arrived first) are queued;
   2. one draft step over all twins computes those tokens (when every twin's are at most
      MAX_DECODE_CATCH_UP, one-token decode entries each; else a prompt chunk or a decode each,
      the catch-up per call capped at the engine's token budget, so a long prompt is chunked over

@@ -94,6 +94,9 @@ class Speculator:
         self.cost = CostPolicy() if config.cost_policy else None
         self.clock = clock  # seconds; a test injects its own
         self._step: _StepRecord | None = None  # the current step, while the cost policy measures it
+        # A decode worker's requests whose KV is on its way, by request id: the sequence as it
+        # will join (its prompt alone), num_computed_tokens counting what `prefill_ahead` did.
+        self._ahead: dict[str, Sequence] = {}
 
     # -- the step's time (cost policy) ----------------------------------------------------------
     def begin_step(self) -> None:
@@ -270,6 +273,45 @@ class Speculator:
         """The sequence left the engine or was preempted: its proposer forgets it."""
         if seq.spec is not None:
             self.proposers[seq.spec.method].release(seq)
+
+    # -- a decode worker's requests, before their KV arrives ------------------------------------
+    def expect(self, seq: Sequence) -> None:
+        """`seq` (its prompt alone) will join once its KV arrives: where its method's proposer keeps
+        KV of its own, `prefill_ahead` computes the prompt's meanwhile, as `_prefill` does beside a
+        colocated target's prefill."""
+        state = self.state_of(seq)
+        if state is not None and self.proposers[state.method].prefills:
+            self._ahead[seq.request_id] = seq
+
+    def prefill_ahead(self, num_step_seqs: int, max_tokens: int) -> bool:
+        """Computes up to `max_tokens` of an expected request's prompt through its proposer, where
+        it would propose in a step of `num_step_seqs` sequences (the batch threshold and the cost
+        policy, as for `_prefill`); returns whether any was. Outside a step: the cost policy never
+        charges it to one."""
+        limit = self.config.max_batch_seqs
+        if limit and num_step_seqs > limit:
+            return False
+        for seq in self._ahead.values():
+            method = seq.spec.method if seq.spec is not None else ""
+            todo = min(max_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
+            if todo <= 0 or (self.cost is not None and not self.cost.favours(method, num_step_seqs)):
+                continue
+            self.proposers[method].prefill([(seq, todo)])  # (from wherever its KV ends: pages short, later)
+            seq.num_computed_tokens += todo
+            return True
+        return False
+
+    def joined(self, request_id: str) -> None:
+        """The expected request joined: what was computed ahead is its sequence's now (a
+        proposer keys its state by request id), and the rest is caught up when it proposes."""
+        self._ahead.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        """The expected request will not join (aborted, its transfer failed or its lease ran
+        out): what its proposer holds for it is freed."""
+        seq = self._ahead.pop(request_id, None)
+        if seq is not None:
+            self.release(seq)
 
 
 @dataclass

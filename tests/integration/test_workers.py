@@ -150,10 +150,27 @@ def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, l
                       "medusa": {"medusa_heads": str(lm_head_heads_dir)}}.get(method, {}))
     router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative, sampling=sampling)
     prompts = {f"r{i}": [0] + [(i * 7919 + j * 104729) % 3997 + 3 for j in range(20 + 5 * i)] for i in range(3)}
+    draft = router.decode.engine.speculator.proposers.get("draft")
+    prompt_catch_ups = []  # per draft proposal: whether it computed prompt KV inside a decode step
+    if draft is not None:
+        propose = draft.propose
+
+        def recording_propose(seqs, max_num_tokens):
+            proposals = propose(seqs, max_num_tokens)
+            prompt_catch_ups.append(draft.computed_prompt)
+            return proposals
+
+        draft.propose = recording_propose
     for rid, prompt in prompts.items():
         router.submit(rid, prompt)
+        if draft is not None:  # reserved, its KV not yet sent: the decode worker computes the draft's prompt KV meanwhile
+            router.decode.step()
+            assert router.stage[rid] == "reserving"
+            assert draft.twins[rid].seq.num_computed_tokens == len(prompt)  # type: ignore[attr-defined]
         router.pump()
     router.run(lambda: len(router.finished) == len(prompts))
+    if draft is not None:
+        assert prompt_catch_ups and not any(prompt_catch_ups)  # each first proposal caught up its first token alone
     for rid, prompt in prompts.items():
         assert router.outputs[rid] == hf_greedy(hf_loopy, prompt, sampling.max_tokens)[0], rid
     assert sum(a for _, a in router.spec.values()) > 0
@@ -163,6 +180,29 @@ def test_disaggregated_decode_with_speculation_matches_hf(loopy_dir, hf_loopy, l
         assert not draft.twins and draft.page_manager.num_referenced_pages == 0  # type: ignore[attr-defined]
     if method == "medusa":
         assert not router.decode.engine.speculator.proposers["medusa"].hidden  # type: ignore[attr-defined]
+    router.assert_clean()
+
+
+def test_a_draft_prompt_computed_ahead_is_freed_when_its_request_never_joins(loopy_dir, loopy_draft_dir):
+    """The decode worker computes a reserved request's draft prompt KV while its KV is on the
+    way; an abort before the transfer and a lease that runs out each free those draft pages."""
+    speculative = {"method": "draft", "draft_model": str(loopy_draft_dir), "cost_policy": False}
+    router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative)
+    draft = router.decode.engine.speculator.proposers["draft"]
+    router.decode.handle(m.ReserveKV("aborted", tuple(range(3, 40)), 10.0, GREEDY))
+    router.decode.handle(m.ReserveKV("lapsed", tuple(range(5, 30)), 0.05, GREEDY))
+    router.decode.step()
+    router.decode.step()
+    assert {rid: twin.seq.num_computed_tokens for rid, twin in draft.twins.items()} == {"aborted": 37, "lapsed": 25}
+    router.decode.handle(m.Abort("aborted"))
+    assert list(draft.twins) == ["lapsed"]
+    time.sleep(0.1)
+    router.to_router.clear()
+    router.decode.step()
+    [failed] = router.to_router
+    assert failed.request_id == "lapsed" and "expired" in failed.reason
+    assert not draft.twins and draft.page_manager.num_referenced_pages == 0
+    assert not router.decode.engine.speculator._ahead
     router.assert_clean()
 
 

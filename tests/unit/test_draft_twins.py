@@ -118,3 +118,33 @@ def test_no_proposal_where_the_drafts_pages_are_short():
     for seq in (first, second):
         p.release(seq)
     assert p.page_manager.num_free_pages == 4
+
+
+def test_a_decode_workers_prompt_ahead_in_chunks_within_the_batch_threshold():
+    """Speculator.expect / prefill_ahead: a request whose KV is on its way gets its draft prompt
+    KV a chunk per call, only where its step would speculate; a join keeps it, a forget frees it."""
+    from configs.engine import SpeculativeConfig
+    from engine.spec import Speculator
+
+    p = proposer()
+    speculator = Speculator(SpeculativeConfig(method="none", max_batch_seqs=4, cost_policy=False), {"draft": p})
+    params = SamplingParams(max_tokens=8, speculative_method="draft")
+    joining, dropped = (Sequence(rid, list(range(1, 21)), params, 0, 128) for rid in "ab")
+    speculator.expect(joining)
+    speculator.expect(dropped)
+    assert not speculator.prefill_ahead(num_step_seqs=5, max_tokens=64)  # past max_batch_seqs: no draft work
+    assert not p.twins
+    assert speculator.prefill_ahead(num_step_seqs=4, max_tokens=12)
+    assert speculator.prefill_ahead(num_step_seqs=4, max_tokens=12)
+    assert p.draft.runner.steps == [[12], [8]]
+    assert speculator.prefill_ahead(num_step_seqs=1, max_tokens=64)
+    assert not speculator.prefill_ahead(num_step_seqs=1, max_tokens=64)  # both prompts done
+    assert twin_state(p, joining) == (20, 5) and twin_state(p, dropped) == (20, 5)
+    speculator.joined("a")
+    speculator.forget("a")  # joined: the running sequence owns its twin now
+    speculator.forget("b")
+    assert list(p.twins) == ["a"] and p.page_manager.num_free_pages == 32 - 5
+    joining.token_ids.append(30)  # as it joins: the prefill worker's first token
+    [proposal] = p.propose([joining], [2])
+    assert proposal.token_ids == (31, 32) and not p.computed_prompt
+    assert p.draft.runner.steps[-2:] == [[1], [1]]  # the first token alone, then the fed guess
