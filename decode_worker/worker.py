@@ -3,9 +3,10 @@ stream tokens back to the router.
 
 Driven by a loop that calls `handle(message)` for router messages and `step()` repeatedly.
 `ReserveKV` brings the prompt and its sampling settings; the request joins the batch the moment
-the receiver reports its transfer DONE (the final frame carries the first token). Meanwhile a
-draft model's prompt KV is computed here (engine.run_ahead, from `step`), beside the prefill
-worker computing the target's, so the request's first decode step carries no prompt. Every
+the receiver reports its transfer DONE (the final frame carries the first token). Meanwhile,
+if nothing runs here, a draft model's prompt KV is computed (engine.run_ahead, from `step`),
+beside the prefill worker computing the target's, so the request's first decode step carries
+no prompt. Every
 reservation ends exactly once: joined, cancelled by Abort, or dropped when its transfer fails or
 its lease (the transfer's deadline) runs out, and the router hears Failed and may retry elsewhere. Lifecycle events
 (reserved, transfer_received, joined, finished, aborted, failed) go to the structured log under
@@ -84,8 +85,8 @@ class DecodeWorker:
             raise ValueError(f"a decode worker does not take {type(message).__name__}")
 
     def step(self, idle_wait_s: float = 0.005) -> bool:
-        """Computes some of a reserved request's draft prompt KV (while its KV is on the way),
-        takes in arrived KV, joins ready requests, runs one decode step. Returns whether it did
+        """Computes some of a reserved request's draft prompt KV (while its KV is on the way and
+        nothing runs), takes in arrived KV, joins ready requests, runs one decode step. Returns whether it did
         work; with nothing to run it waits up to idle_wait_s for KV instead of spinning."""
         ahead = self.engine.run_ahead()
         idle = not ahead and not self.engine.has_unfinished_requests() and self.receiver.num_pending > 0
@@ -131,8 +132,8 @@ class DecodeWorker:
         self.emit(Reserved(message.request_id, self.worker_id, self.kv_address, len(res.page_ids),
                            res.num_cached_pages, token))
         # A draft model's prompt KV is computed here while the prefill worker computes the
-        # target's (step -> engine.run_ahead), not in the request's first decode step: at low load
-        # this worker would only wait for the KV meanwhile.
+        # target's (step -> engine.run_ahead, only while nothing runs here), not in the request's
+        # first decode step: this worker would only wait for the KV meanwhile.
         with contextlib.suppress(ValueError):  # settings the join refuses, saying why (_join)
             self.engine.expect_prefilled_request(message.request_id, list(message.prompt_token_ids),
                                                  sampling_params(message.sampling))

@@ -187,8 +187,14 @@ class LLMEngine:
 
     def run_ahead(self) -> bool:
         """Some of the expected requests' work (at most a step's token budget of a draft's
-        prompt KV), outside any step; returns whether there was any."""
-        return self.speculator.prefill_ahead(len(self.scheduler.running) + 1, self.scheduler.max_num_batched_tokens)
+        prompt KV), outside any step, and only while no request runs here: it fills the wait for
+        the KV and never delays a step (under load the draft's prompt would cost the batch's
+        steps and go unused where the batch has grown past speculating by the join; then the
+        request's first speculating step computes it, if it ever speculates). Returns whether
+        there was any."""
+        if self.scheduler.has_unfinished():
+            return False
+        return self.speculator.prefill_ahead(1, self.scheduler.max_num_batched_tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Ends a request now and frees its pages (also held KV and reservations); False if
