@@ -180,9 +180,6 @@ class Speculator:
         model computes the same tokens now, beside the target), in steps small enough to speculate
         in and where the cost policy has the method proposing at this size: elsewhere it would not
         propose after them either (a proposer catches up when it first proposes)."""
-        limit = self.config.max_batch_seqs
-        if limit and len(out.scheduled) > limit:
-            return
         chunks: dict[str, list[tuple[Sequence, int]]] = {}  # method -> [(sequence, tokens this step)]
         for s in out.scheduled:
             if s.draft is not None or _is_decode(s) or (state := self.state_of(s.seq)) is None:
@@ -190,8 +187,17 @@ class Speculator:
             if self.proposers[state.method].prefills:
                 chunks.setdefault(state.method, []).append((s.seq, s.num_new_tokens))
         for method, items in chunks.items():
-            if self.cost is None or self.cost.favours(method, len(out.scheduled)):
+            if self._prefill_pays(method, len(out.scheduled)):
                 self.proposers[method].prefill(items)
+
+    def _prefill_pays(self, method: str, num_step_seqs: int) -> bool:
+        """Whether a proposer's own prompt KV is worth computing for a request of `method` in a
+        step of `num_step_seqs` sequences: only where it would propose after it (within
+        `max_batch_seqs`, and where the cost policy has the method on at that size)."""
+        limit = self.config.max_batch_seqs
+        if limit and num_step_seqs > limit:
+            return False
+        return self.cost is None or self.cost.favours(method, num_step_seqs)
 
     # -- after the step -----------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampled: list[ScheduledSeq], hidden: torch.Tensor | None = None
@@ -288,13 +294,10 @@ class Speculator:
         it would propose in a step of `num_step_seqs` sequences (the batch threshold and the cost
         policy, as for `_prefill`); returns whether any was. Outside a step: the cost policy never
         charges it to one."""
-        limit = self.config.max_batch_seqs
-        if limit and num_step_seqs > limit:
-            return False
         for seq in self._ahead.values():
             method = seq.spec.method if seq.spec is not None else ""
             todo = min(max_tokens, seq.num_prompt_tokens - seq.num_computed_tokens)
-            if todo <= 0 or (self.cost is not None and not self.cost.favours(method, num_step_seqs)):
+            if todo <= 0 or not self._prefill_pays(method, num_step_seqs):
                 continue
             self.proposers[method].prefill([(seq, todo)])  # (from wherever its KV ends: pages short, later)
             seq.num_computed_tokens += todo
