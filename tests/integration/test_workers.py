@@ -212,6 +212,21 @@ def test_a_draft_prompt_computed_ahead_is_freed_when_its_request_never_joins(loo
     router.assert_clean()
 
 
+def test_a_reservation_with_bad_sampling_on_a_draft_worker_computes_nothing_ahead(loopy_dir, loopy_draft_dir):
+    """Settings the join would refuse (a negative temperature, past the router's checks) are left
+    for it to report: the reservation stands, no draft work is queued for it, nothing leaks."""
+    speculative = {"method": "draft", "draft_model": str(loopy_draft_dir), "cost_policy": False}
+    router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative)
+    bad = m.Sampling(max_tokens=8, temperature=-1.0)
+    router.decode.handle(m.ReserveKV("bad", tuple(range(3, 30)), 10.0, bad))
+    assert isinstance(router.to_router.pop(), m.Reserved)
+    assert not router.decode.step()  # no draft prompt to compute, no KV, nothing running
+    assert not router.decode.engine.speculator._ahead
+    assert not router.decode.engine.speculator.proposers["draft"].twins  # type: ignore[attr-defined]
+    router.decode.handle(m.Abort("bad"))
+    router.assert_clean()
+
+
 def test_colocated_worker_matches_hf(hf_tiny):
     out: list[m.Tokens] = []
     worker = ColocatedWorker("c0", LLMEngine(EngineConfig(model="builtin:tiny")), out.append)
