@@ -111,11 +111,11 @@ def model_train_medusa(args: argparse.Namespace) -> int:
 
 # The recipes' numbers as the help shows them: the parser is built for every `pdserve` command and
 # must not import torch (engine/), so they are written here; tests/unit/test_train_cli.py checks them.
-TARGET_HELP = "12.6M parameters: hidden 384, 6 layers, vocabulary 8192, context 1024"
-TARGET_STEPS, TARGET_SEED = 500, 1
+TARGET_HELP = "12.6M parameters: hidden 384, 6 layers, vocabulary 8192, context 512"
+TARGET_STEPS, TARGET_SEED = 450, 1
 DRAFT_HELP = "6.3M parameters: hidden 384, 2 layers"
 DRAFT_STEPS, DRAFT_SEED = 400, 2
-BATCH_HELP = "8 windows of 1024 tokens"
+BATCH_HELP = "8 windows of 512 tokens"
 MEDUSA_STEPS, MEDUSA_SEED, MEDUSA_HEADS, MEDUSA_LAYERS = 300, 3, 3, 1
 MEDUSA_BATCH_HELP = "8 windows of 512 tokens"
 

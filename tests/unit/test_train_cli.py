@@ -59,6 +59,9 @@ def test_help_explains_each_command_with_the_recipes_numbers(capsys):
     assert cmd_model.BATCH_HELP == f"{s.settings.batch_size} windows of {s.settings.seq_len} tokens"
     assert RECIPES[DRAFT].settings.batch_size == s.settings.batch_size
     assert RECIPES[DRAFT].settings.seq_len == s.settings.seq_len
+    # Each model is trained on windows of its whole context: positions past the windows would be untrained.
+    for name in (TARGET, DRAFT):
+        assert RECIPES[name].shape.max_position_embeddings == RECIPES[name].settings.seq_len
 
 
 def test_train_medusa_help_shows_its_recipes_numbers(capsys):
