@@ -78,13 +78,13 @@ def model_train(args: argparse.Namespace) -> int:
 def model_distill(args: argparse.Namespace) -> int:
     from engine.model.distill import distill_checkpoint
     from engine.model.loader import resolve_model_path
-    from engine.model.trained_builtins import DRAFT
+    from engine.model.trained_builtins import DRAFT, recipe
 
     shape, settings = _settings(args, DRAFT)
     out = _check_out_dir(args.out, args.force)
     target_dir = resolve_model_path(args.target)  # builtin:code-small: trained first if not cached
     report = distill_checkpoint(target_dir, out, DRAFT, args.target, shape, settings, _compute(args, settings.steps),
-                                progress=True)
+                                progress=True, own=recipe(DRAFT).own_text)
     print(report.summary())
     print(f"wrote {out}")
     return 0
@@ -115,6 +115,7 @@ TARGET_HELP = "12.6M parameters: hidden 384, 6 layers, vocabulary 8192, context 
 TARGET_STEPS, TARGET_SEED = 450, 1
 DRAFT_HELP = "6.3M parameters: hidden 384, 2 layers"
 DRAFT_STEPS, DRAFT_SEED = 400, 2
+DRAFT_OWN_TEXT_HELP = "2 windows of each batch (256 windows, each 256 tokens of text then 257 of its own)"
 BATCH_HELP = "8 windows of 512 tokens"
 MEDUSA_STEPS, MEDUSA_SEED, MEDUSA_HEADS, MEDUSA_LAYERS = 300, 3, 3, 1
 MEDUSA_BATCH_HELP = "8 windows of 512 tokens"
@@ -153,9 +154,10 @@ def add_model_commands(sub: argparse._SubParsersAction) -> None:
         "distill", help="distil a small draft model from a target (builtin:code-draft's recipe)",
         description=f"Distil builtin:code-draft's model ({DRAFT_HELP}) from a target with the same tokenizer: "
         "the draft starts from the target tensors it shares by name and shape (embedding, first layers, final "
-        "norm) and learns the target's next-token distributions (KL at temperature 1) on the same text. Prints "
-        "the held-out loss, the KL and the top-1 agreement with the target, which speculative decoding's "
-        "acceptance follows. The defaults reproduce builtin:code-draft.")
+        "norm) and learns the target's next-token distributions (KL at temperature 1) on the same text and, in "
+        f"{DRAFT_OWN_TEXT_HELP}, on text the target wrote itself: it first continues windows of the text greedily, "
+        "with a progress bar, since speculative decoding accepts what the target generates. Prints the held-out "
+        "loss, the KL and the top-1 agreement with the target. The defaults reproduce builtin:code-draft.")
     distill.add_argument("--target", default="builtin:code-small",
                          help="the target: a built-in name or a checkpoint directory with builtin:code-small's "
                          "tokenizer (default builtin:code-small, trained first if not cached)")

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.hf_files import ModelShape, copy_tokenizer, write_checkpoint
+from engine.model.own_text import MixedSampler, OwnText, own_text_windows
 from engine.model.train import next_token_loss
-from engine.model.train_corpus import WindowSampler, held_out_windows, split_corpus, token_stream
+from engine.model.train_corpus import BatchSource, WindowSampler, held_out_windows, split_corpus, token_stream
 from engine.model.train_loop import Compute, LoopStats, TrainSettings, batched, describe_run, run_steps, using_threads
 from engine.model.train_model import build_model, checkpoint_tensors, load_hf_model
 
@@ -54,7 +55,7 @@ def init_from_target(draft: torch.nn.Module, target: torch.nn.Module) -> list[st
     return copied
 
 
-def distill(draft: PreTrainedModel, target: PreTrainedModel, sampler: WindowSampler, s: TrainSettings,
+def distill(draft: PreTrainedModel, target: PreTrainedModel, sampler: BatchSource, s: TrainSettings,
             compute: Compute, desc: str = "distilling", progress: bool | None = None) -> LoopStats:
     """s.steps steps moving the draft's next-token distributions towards the (frozen) target's."""
     if draft.config.vocab_size != target.config.vocab_size:
@@ -114,6 +115,7 @@ class DistillReport:
     stats: LoopStats
     held_out: AgreementStats
     copied_from_target: int  # tensors the draft started from
+    own_text: OwnText | None = None  # the target's own windows in each batch (engine/model/own_text.py)
 
     def summary(self) -> str:
         st, h = self.stats, self.held_out
@@ -127,6 +129,7 @@ class DistillReport:
         return {"recipe": self.recipe, "kind": "distilled draft", "target": self.target, "shape": asdict(self.shape),
                 "settings": asdict(self.settings), "compute": asdict(self.compute),
                 "copied_from_target": self.copied_from_target,
+                "own_text": asdict(self.own_text) if self.own_text is not None else None,
                 "held_out": {k: round(v, 6) if isinstance(v, float) else v for k, v in asdict(self.held_out).items()},
                 "python": platform.python_version(), "torch": torch.__version__}
 
@@ -147,8 +150,10 @@ def check_target(target_dir: Path, shape: ModelShape) -> None:
 
 
 def distill_checkpoint(target_dir: Path, out: Path, recipe: str, target_name: str, shape: ModelShape,
-                       s: TrainSettings, compute: Compute, progress: bool | None = None) -> DistillReport:
-    """Distils a draft of `shape` from the checkpoint in `target_dir` and writes it into `out` (made if absent)."""
+                       s: TrainSettings, compute: Compute, progress: bool | None = None,
+                       own: OwnText | None = None) -> DistillReport:
+    """Distils a draft of `shape` from the checkpoint in `target_dir` and writes it into `out` (made if
+    absent); with `own`, part of every batch is text the target wrote (engine/model/own_text.py)."""
     check_target(target_dir, shape)
     out.mkdir(parents=True, exist_ok=True)
     target = load_hf_model(target_dir)
@@ -159,10 +164,13 @@ def distill_checkpoint(target_dir: Path, out: Path, recipe: str, target_name: st
                                 s.seq_len, s.eval_windows)
     draft = build_model(shape, s.seed)
     copied = init_from_target(draft, target)
-    stats = distill(draft, target, WindowSampler(train_stream, s.seq_len, s.seed), s, compute,
-                    f"distilling {recipe}", progress)
+    sampler: BatchSource = WindowSampler(train_stream, s.seq_len, s.seed)
+    if own is not None:
+        written = own_text_windows(target, train_stream, s.seq_len, own, s.seed, compute, progress)
+        sampler = MixedSampler(sampler, written, own.per_batch, s.seed)
+    stats = distill(draft, target, sampler, s, compute, f"distilling {recipe}", progress)
     agreement = held_out_agreement(draft, target, held_out, compute, s.batch_size)
     report = DistillReport(recipe, target_name, shape, s, Compute(compute.threads, compute.bf16, stats.compiled),
-                           stats, agreement, len(copied))
+                           stats, agreement, len(copied), own)
     write_checkpoint(out, shape.hf_config(), checkpoint_tensors(draft), report.about())
     return report

@@ -15,6 +15,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -100,6 +101,12 @@ def held_out_windows(stream: torch.Tensor, seq_len: int, max_windows: int) -> to
     n = min(total, max_windows)
     picks = [i * total // n for i in range(n)]
     return torch.stack([window(stream, seq_len, i) for i in picks]).long()
+
+
+class BatchSource(Protocol):
+    """What the training loop draws its batches from (WindowSampler, own_text.MixedSampler)."""
+
+    def next_batch(self, batch_size: int) -> torch.Tensor: ...
 
 
 class WindowSampler:

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from engine.model.compute_dtype import cpu_has_native_bf16
-from engine.model.train_corpus import WindowSampler
+from engine.model.train_corpus import BatchSource
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def describe_run(stats: LoopStats, compute: Compute) -> str:
             f"{'bf16' if compute.bf16 else 'fp32'}, {'compiled' if compute.compile else 'eager'})")
 
 
-def run_steps(model: torch.nn.Module, batch_loss: Callable[[torch.Tensor], torch.Tensor], sampler: WindowSampler,
+def run_steps(model: torch.nn.Module, batch_loss: Callable[[torch.Tensor], torch.Tensor], sampler: BatchSource,
               s: TrainSettings, compute: Compute, desc: str, progress: bool | None = None) -> LoopStats:
     """Runs s.steps optimiser steps of `batch_loss` over batches from `sampler`, with a progress
     bar (`progress` None: only on a terminal). Raises RuntimeError if the loss stops being finite."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from engine.model.builtin import ensure_builtin
 from engine.model.hf_files import ModelShape
+from engine.model.own_text import OwnText
 from engine.model.train_loop import Compute, TrainSettings
 
 FORMAT_VERSION = "t2"  # bump when a recipe or the training code changes the bytes, so stale caches are not reused
@@ -35,6 +36,7 @@ MEDUSA = "code-medusa"
 class Recipe:
     shape: ModelShape
     settings: TrainSettings
+    own_text: OwnText | None = None  # a draft's: text its target wrote, in every batch (engine/model/own_text.py)
 
 
 # Sized to train within 15 minutes on this project's 2-core CPUs, with or without AMX (bf16, compiled): see docs/engine.md.
@@ -48,7 +50,8 @@ RECIPES = {
     # The target's embedding and first 2 layers, then fitted to the target's distributions.
     DRAFT: Recipe(ModelShape(8192, 384, 2, 6, 2, 1024, 512),
                   TrainSettings(steps=400, batch_size=8, seq_len=512, lr=1e-3, warmup_steps=20, seed=2,
-                                eval_windows=64)),
+                                eval_windows=64),
+                  OwnText(num_windows=256, per_batch=2, prompt_len=256)),
 }
 
 
@@ -117,6 +120,6 @@ def build_trained(name: str, out: Path, cache_dir: str | Path | None = None) -> 
 
         target_dir = ensure_builtin(TARGET, cache_dir)
         summary = distill_checkpoint(target_dir, out, DRAFT, "builtin:" + TARGET, r.shape, r.settings,
-                                     compute).summary()
+                                     compute, own=r.own_text).summary()
     print(summary, file=sys.stderr)
     return out

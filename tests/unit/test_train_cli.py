@@ -59,6 +59,11 @@ def test_help_explains_each_command_with_the_recipes_numbers(capsys):
     assert cmd_model.BATCH_HELP == f"{s.settings.batch_size} windows of {s.settings.seq_len} tokens"
     assert RECIPES[DRAFT].settings.batch_size == s.settings.batch_size
     assert RECIPES[DRAFT].settings.seq_len == s.settings.seq_len
+    own = RECIPES[DRAFT].own_text
+    assert own is not None and cmd_model.DRAFT_OWN_TEXT_HELP == (
+        f"{own.per_batch} windows of each batch ({own.num_windows} windows, each {own.prompt_len} tokens of text "
+        f"then {s.settings.seq_len + 1 - own.prompt_len} of its own)")
+    assert cmd_model.DRAFT_OWN_TEXT_HELP in " ".join(help_text(["model", "distill"], capsys).split())
     # Each model is trained on windows of its whole context: positions past the windows would be untrained.
     for name in (TARGET, DRAFT):
         assert RECIPES[name].shape.max_position_embeddings == RECIPES[name].settings.seq_len

@@ -14,10 +14,12 @@ from cluster.cli import main
 from engine.model import train_corpus, trained_builtins
 from engine.model.builtin import ensure_builtin, parse_builtin
 from engine.model.loader import resolve_model_path
+from engine.model.own_text import OwnText
 from engine.model.trained_builtins import DRAFT, STEPS_ENV, TARGET, MedusaRecipe, Recipe
 from tests.helpers import hf_greedy
 from tests.train_helpers import TINY_DRAFT, TINY_SETTINGS, TINY_TARGET, small_stdlib_corpus
 
+TINY_OWN_TEXT = OwnText(num_windows=8, per_batch=2, prompt_len=32)  # the real recipe's shape, smaller
 FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
          "special_tokens_map.json", "pdserve_builtin.json"]
 
@@ -32,7 +34,8 @@ def tiny_recipes(monkeypatch, corpus_root):
     """The built-in names, on the tiny recipe and the small corpus."""
     monkeypatch.setattr(train_corpus, "stdlib_dir", lambda: corpus_root)
     monkeypatch.setitem(trained_builtins.RECIPES, TARGET, Recipe(TINY_TARGET, TINY_SETTINGS))
-    monkeypatch.setitem(trained_builtins.RECIPES, DRAFT, Recipe(TINY_DRAFT, replace(TINY_SETTINGS, seed=1)))
+    monkeypatch.setitem(trained_builtins.RECIPES, DRAFT, Recipe(TINY_DRAFT, replace(TINY_SETTINGS, seed=1),
+                                                                TINY_OWN_TEXT))
     monkeypatch.delenv(STEPS_ENV, raising=False)
 
 
@@ -62,6 +65,7 @@ def test_the_loader_trains_them_on_first_use_then_reuses_the_cache(tiny_recipes,
     assert about(target_dir)["kind"] == "trained target" and about(target_dir)["settings"]["steps"] == 20
     assert about(draft_dir)["target"] == "builtin:code-small"
     assert about(draft_dir)["copied_from_target"] > 0
+    assert about(draft_dir)["own_text"] == {"num_windows": 8, "per_batch": 2, "prompt_len": 32}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".building")]
 
     stamp = (draft_dir / "model.safetensors").stat().st_mtime_ns, (target_dir / "model.safetensors").stat().st_mtime_ns
