@@ -70,5 +70,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_tokens_left(self) -> int:
+        """Tokens it may still generate: within max_tokens and its context (EOS and stops aside)."""
+        return min(self.params.max_tokens - (self.num_tokens - self.num_prompt_tokens),
+                   self.max_total_tokens - self.num_tokens)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -57,6 +57,13 @@ _SEED_MULTIPLIER, _SEED_INCREMENT = 6364136223846793005, 1442695040888963407
 # in the compiled call where it serves: after a verification it is one token, or two when every
 # guess was accepted; prompts and longer runs go through the runner as prompt chunks.
 MAX_DECODE_CATCH_UP = 8
+# A draft whose twin has not computed the sequence's prompt (it joined a busy decode worker, or the
+# cost policy had the method off at its prefill) catches up only where the tokens left can repay
+# it: at most this many catch-up tokens per token left. On a 2-core Zen 4 a catch-up costs ~0.05
+# ms a token (~15 ms for 300 on one core) and a speculated token saves ~0.5 ms of a ~1.2 ms small-
+# batch step, so a request that first speculates at the tail of a burst, with a few tokens left,
+# would pay more than it saves (docs/benchmarks.md, "A recipe that trains in 15 minutes").
+CATCH_UP_PER_TOKEN_LEFT = 10
 
 
 @dataclass
@@ -113,6 +120,9 @@ class DraftModelProposer(BaseProposer):
                 continue
             twin = self._sync(seq)
             num_new = seq.num_tokens - twin.seq.num_computed_tokens  # >= 1 (sync keeps the last token)
+            if (twin.seq.num_computed_tokens < seq.num_prompt_tokens
+                    and num_new > CATCH_UP_PER_TOKEN_LEFT * seq.num_tokens_left):
+                continue  # its prompt's KV would cost more than its proposals can save
             chunk = min(num_new, budget)
             # Pages through the catch-up and, when it completes, the k - 1 guesses fed back.
             end = twin.seq.num_computed_tokens + chunk + (k - 1 if chunk == num_new else 0)

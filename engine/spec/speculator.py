@@ -149,8 +149,7 @@ class Speculator:
                 paying[state.method] = self.cost is None or self.cost.should_propose(state.method, len(out.scheduled))
             if not paying[state.method] and seq.params.seed is None:
                 continue  # (a seeded request's draws follow its proposals: it must repeat whatever the clock says)
-            room = min(seq.params.max_tokens - (seq.num_tokens - seq.num_prompt_tokens),
-                       seq.max_total_tokens - seq.num_tokens)
+            room = seq.num_tokens_left
             proposer = self.proposers[state.method]
             alone_and_free = len(out.scheduled) == 1 and proposer.free_proposals
             k = min(state.next_k(alone_and_free, len(out.scheduled)), room - 1, budget)  # the step emits up to k + 1 tokens

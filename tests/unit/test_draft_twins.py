@@ -110,6 +110,32 @@ def test_a_long_catch_up_is_chunked_and_proposes_nothing_until_done():
     assert p.page_manager.num_free_pages == 32
 
 
+def test_a_prompt_catch_up_is_declined_where_the_tokens_left_cannot_repay_it():
+    """A twin without the prompt's KV (a request that joined a busy decode worker) catches up
+    only with at most CATCH_UP_PER_TOKEN_LEFT catch-up tokens per token the request has left; a
+    twin that has the prompt proposes to the last token."""
+    from engine.spec.draft_proposer import CATCH_UP_PER_TOKEN_LEFT
+
+    p = proposer()
+    assert CATCH_UP_PER_TOKEN_LEFT == 10
+    late = Sequence("late", list(range(1, 11)), SamplingParams(max_tokens=2), 0, 128)
+    late.token_ids.append(30)  # 11 tokens to catch up, 1 left: 11 > 10 x 1
+    assert late.num_tokens_left == 1
+    assert p.propose([late], [1])[0].token_ids == () and p.draft.runner.steps == []
+    assert p.page_manager.num_free_pages == 32  # nothing computed, no page taken
+    roomier = Sequence("roomier", list(range(1, 11)), SamplingParams(max_tokens=3), 0, 128)
+    roomier.token_ids.append(30)  # 2 left: 11 <= 20
+    assert p.propose([roomier], [1])[0].token_ids == (31,)
+    prefilled = Sequence("prefilled", list(range(1, 11)), SamplingParams(max_tokens=2), 0, 128)
+    p.prefill([(prefilled, 10)])  # its prompt beside the target's
+    prefilled.num_computed_tokens = 10
+    prefilled.token_ids.append(30)
+    assert p.propose([prefilled], [1])[0].token_ids == (31,)  # 1 left, but only the first token to catch up
+    for seq in (late, roomier, prefilled):
+        p.release(seq)
+    assert not p.twins and p.page_manager.num_free_pages == 32
+
+
 def test_no_proposal_where_the_drafts_pages_are_short():
     p = proposer(num_pages=4)
     first, second = decoding("a"), decoding("b")
