@@ -17,6 +17,7 @@ distributions close elsewhere (sampled decoding).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,10 +48,13 @@ class OwnText:
 def greedy_continue(model: PreTrainedModel, prompts: torch.Tensor, num_new: int) -> torch.Tensor:
     """[n, p] -> [n, p + num_new]: each row continued with the model's argmax token, one step at a
     time over its KV cache (an end-of-text token is written on like any other)."""
+    # transformers renamed the KV cache argument and output `past_key_values` -> `cache` within the
+    # versions pyproject.toml allows; an unknown keyword would be swallowed and the cache dropped.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(input_ids=prompts, use_cache=True)
     tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
     for _ in range(num_new - 1):
-        out = model(input_ids=tokens[-1], cache=out.cache, use_cache=True)
+        out = model(input_ids=tokens[-1], use_cache=True, **{name: getattr(out, name)})
         tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
     return torch.cat([prompts, *tokens], dim=1)
 
