@@ -195,6 +195,10 @@ def test_a_draft_prompt_computed_ahead_is_freed_when_its_request_never_joins(loo
     speculative = {"method": "draft", "draft_model": str(loopy_draft_dir), "cost_policy": False}
     router = MiniRouter(model=str(loopy_dir), decode_speculative=speculative)
     draft = router.decode.engine.speculator.proposers["draft"]
+    # The leases run on a clock of the test's: on a loaded machine the two steps below may take
+    # longer than the short lease, which would lapse before its prompt was computed ahead.
+    now = [0.0]
+    router.decode.receiver.clock = lambda: now[0]
     router.decode.handle(m.ReserveKV("aborted", tuple(range(3, 40)), 10.0, GREEDY))
     router.decode.handle(m.ReserveKV("lapsed", tuple(range(5, 30)), 0.05, GREEDY))
     router.decode.step()
@@ -202,7 +206,7 @@ def test_a_draft_prompt_computed_ahead_is_freed_when_its_request_never_joins(loo
     assert {rid: twin.seq.num_computed_tokens for rid, twin in draft.twins.items()} == {"aborted": 37, "lapsed": 25}
     router.decode.handle(m.Abort("aborted"))
     assert list(draft.twins) == ["lapsed"]
-    time.sleep(0.1)
+    now[0] = 0.1  # past the short lease
     router.to_router.clear()
     router.decode.step()
     [failed] = router.to_router
