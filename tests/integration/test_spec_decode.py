@@ -103,6 +103,7 @@ def test_prompt_lookup_greedy_equals_plain_and_hf(loopy_dir, hf_loopy):
     totals = spec_engine.speculator.totals["prompt_lookup"]
     assert (totals.num_proposed, totals.num_accepted) == (proposed, accepted)
     assert_no_page_leak(spec_engine)
+    assert not spec_engine.speculator.proposers["prompt_lookup"].indexes  # each finished request's n-grams went
 
 
 def test_speculating_decodes_share_steps_with_prefill_chunks_and_prefix_hits(loopy_dir, hf_loopy):
@@ -159,6 +160,7 @@ def test_preemption_with_speculation_matches_hf(loopy_dir, hf_loopy, prefix_cach
     assert sum(o.num_spec_accepted for o in spec.values()) > 0
     assert_hf_greedy(spec, prompts, hf_loopy)
     assert_no_page_leak(engine)
+    assert not engine.speculator.proposers["prompt_lookup"].indexes  # preempted, then finished: released
 
 
 class OracleProposer(BaseProposer):
@@ -329,10 +331,12 @@ def test_abort_while_speculating_frees_every_page(loopy_dir):
     while not any(s.spec is not None and s.spec.num_accepted for s in engine.scheduler.running):
         assert engine.step() and steps < 40
         steps += 1
+    assert engine.speculator.proposers["prompt_lookup"].indexes  # held while the requests run
     for rid in prompts:
         assert engine.abort_request(rid)
     assert not engine.has_unfinished_requests()
     assert_no_page_leak(engine)
+    assert not engine.speculator.proposers["prompt_lookup"].indexes
 
 
 def test_bf16_speculation_equals_plain_bf16(tiny_dir):

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from pydantic import ValidationError
 
 from configs import EngineSettings
 from engine.sampling_params import SamplingParams
-from engine.spec.prompt_lookup import PromptLookupProposer, find_continuation
+from engine.spec.prompt_lookup import NgramIndex, PromptLookupProposer, find_continuation
 
 
 def test_proposes_what_followed_the_longest_suffix_match():
@@ -46,16 +48,43 @@ def test_a_match_must_lie_before_the_suffix_itself():
     assert find_continuation([1, 7], 3, 1, 3) == []
 
 
-def test_proposer_caps_each_sequence_at_its_k():
-    class Seq:
-        def __init__(self, tokens):
-            self.token_ids = tokens
+class Seq:
+    def __init__(self, request_id, tokens):
+        self.request_id, self.token_ids = request_id, tokens
 
-    proposals = PromptLookupProposer(1, 3).propose([Seq([1, 2, 3, 4, 1]), Seq([6, 6, 6]), Seq([8, 9])], [2, 5, 3])
+
+def test_proposer_caps_each_sequence_at_its_k():
+    proposer = PromptLookupProposer(1, 3)
+    seqs = [Seq("a", [1, 2, 3, 4, 1]), Seq("b", [6, 6, 6]), Seq("c", [8, 9])]
+    proposals = proposer.propose(seqs, [2, 5, 3])
     assert [p.token_ids for p in proposals] == [(2, 3), (6,), ()]
     assert all(p.draft_probs is None for p in proposals)  # point masses
     with pytest.raises(ValueError):
         PromptLookupProposer(3, 2)
+
+
+def test_the_index_proposes_what_the_scan_finds_as_a_sequence_grows():
+    # Small vocabularies repeat often (matches of every length); a large one rarely (no match).
+    rng = random.Random(0)
+    for vocab, ngram_min, ngram_max, k in ((3, 1, 3, 4), (5, 2, 3, 5), (4, 1, 1, 2), (50, 1, 4, 8), (9, 3, 6, 3)):
+        index = NgramIndex(ngram_max)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        for _ in range(120):
+            index.extend(tokens)
+            want = find_continuation(tokens, k, ngram_min, ngram_max)
+            assert index.continuation(tokens, k, ngram_min, ngram_max) == want, (vocab, tokens)
+            tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]  # an accepted run
+
+
+def test_a_released_sequence_leaves_no_index():
+    proposer = PromptLookupProposer(1, 3)
+    seq = Seq("r1", [4, 5, 6, 4, 5])
+    assert proposer.propose([seq], [3])[0].token_ids == (6, 4, 5)
+    seq.token_ids += [7, 4, 5]  # the index follows what the sequence gained
+    assert proposer.propose([seq], [3])[0].token_ids == (7, 4, 5)
+    assert set(proposer.indexes) == {"r1"}
+    proposer.release(seq)
+    assert proposer.indexes == {}
 
 
 def test_speculative_settings_are_validated():
