@@ -17,7 +17,7 @@ prompt costs the same prefill whichever method runs it.
    prompt), on one engine whose requests choose the method (SamplingParams.speculative_method),
    so every method runs on the same weights and threads (`draft` and `prompt_lookup+draft` too,
    with --draft-model or --draft-layers; `medusa` with --medusa-heads). The cost policy (speculative.cost_policy) is off
-   here, so each method runs as it is, losing or not. Prints per-method decode tokens/s
+   here, so each method runs as it is, losing or not; --fixed-k turns the adaptive k off too. Prints per-method decode tokens/s
    (first token to last: prefill excluded; p50/p90 over prompts and the aggregate), the ratio to
    `none`, the time to first token (p50; it holds the draft's prompt KV, computed beside the
    target's prefill), the acceptance rate and the mean accepted length (tokens emitted per verifying step,
@@ -291,6 +291,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="saturation check: sequences at once (0: skip)")
     parser.add_argument("--max-batch-seqs", type=int, default=None,
                         help="speculative.max_batch_seqs for the saturation run (default: the engine's; 0: no limit)")
+    parser.add_argument("--fixed-k", action="store_true",
+                        help="concurrency 1: every step proposes --num-speculative-tokens (speculative.adaptive: "
+                        "false); the saturation run keeps the adaptive k")
     parser.add_argument("--no-cost-policy", action="store_true",
                         help="saturation: speculate without the cost policy (speculative.cost_policy: false)")
     parser.add_argument("--repeats", type=int, default=2)
@@ -320,7 +323,8 @@ def main() -> None:
             speculative["draft_vocab_size"] = args.draft_vocab_size
         if args.draft_quantization is not None:
             speculative["draft_quantization"] = args.draft_quantization
-        engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=speculative | {"cost_policy": False},
+        concurrency_1 = speculative | {"cost_policy": False} | ({"adaptive": False} if args.fixed_k else {})
+        engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, speculative=concurrency_1,
                                         enable_prefix_caching=False))
         scale = "" if args.layer_scale is None else f" (decoder layers x {args.layer_scale:g})"
         if draft:

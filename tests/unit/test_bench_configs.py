@@ -54,3 +54,16 @@ def test_the_tuned_speculative_config_is_the_plain_one_plus_the_draft_settings()
         == plain.decode.engine.speculative
     assert tuned.prefill == plain.prefill and tuned.model == plain.model
     assert not (router_ports(plain) & router_ports(tuned)) - {None}  # (no HTTP port in either)
+
+
+def test_the_concurrency_1_config_is_the_tuned_one_with_a_fixed_k():
+    """configs/bench/spec-1p1d-code-c1.yaml differs from spec-1p1d-code-tuned.yaml only in k
+    (5, never adapted) and the router's ports, so the two compare the k rule alone."""
+    tuned = load_cluster_config(BENCH_CONFIGS / "spec-1p1d-code-tuned.yaml")
+    c1 = load_cluster_config(BENCH_CONFIGS / "spec-1p1d-code-c1.yaml")
+    spec = c1.decode.engine.speculative
+    assert (spec.num_tokens, spec.adaptive) == (5, False)
+    assert spec.model_copy(update={"num_tokens": 4, "adaptive": True}) == tuned.decode.engine.speculative
+    assert c1.prefill == tuned.prefill and c1.model == tuned.model
+    assert c1.decode.model_copy(update={"engine": tuned.decode.engine}) == tuned.decode
+    assert not (router_ports(c1) & router_ports(tuned)) - {None}
