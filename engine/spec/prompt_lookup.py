@@ -65,13 +65,13 @@ class NgramIndex:
                 starts[tuple(token_ids[follower - n : follower])] = follower - n  # later starts overwrite
         self.num_followed = max(self.num_followed, len(token_ids))
 
-    def continuation(self, token_ids: Seq[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:
-        """find_continuation(token_ids, k, ngram_min, ngram_max) for the tokens this index has
-        followed (`extend` first); ngram_max at most the index's."""
+    def continuation(self, token_ids: Seq[int], k: int, ngram_min: int) -> list[int]:
+        """find_continuation(token_ids, k, ngram_min, self.ngram_max) for the tokens this index
+        has followed (`extend` first)."""
         num_tokens = len(token_ids)
         if k <= 0 or num_tokens <= ngram_min:
             return []
-        for n in range(min(ngram_max, num_tokens - 1), ngram_min - 1, -1):
+        for n in range(min(self.ngram_max, num_tokens - 1), ngram_min - 1, -1):
             start = self.starts.get(tuple(token_ids[num_tokens - n :]))
             if start is not None:
                 follow = start + n
@@ -96,7 +96,7 @@ class PromptLookupProposer(BaseProposer):
             if index is None:
                 index = self.indexes[seq.request_id] = NgramIndex(self.ngram_max)
             index.extend(seq.token_ids)
-            found = index.continuation(seq.token_ids, k, self.ngram_min, self.ngram_max)
+            found = index.continuation(seq.token_ids, k, self.ngram_min)
             proposals.append(Proposal(tuple(found)) if found else NO_PROPOSAL)
         return proposals
 
