@@ -63,6 +63,10 @@ void for_blocks(int64_t blocks, int64_t grain, F&& f) {
   });
 }
 
+// The most rows the tiled (non-AMX) path serves; named outside the AVX512-BF16 block because
+// packed_gemv's argument check uses it on every CPU (an AVX2-only build needs it too).
+constexpr int kMaxTiledRows = 64;
+
 #if defined(__AVX512BF16__)
 // 16 fp32 outputs [o, o + 16) of one row: + bias (when there is one), rounded to bf16 into
 // `row`. The sum is rounded once, in fp32 and then to bf16, as F.linear's bf16 product is; the
@@ -123,7 +127,6 @@ void run(const uint16_t* w, const uint16_t* x, int64_t ldx, int64_t k, int64_t k
 // rows 17.4-18.2; asked for from the group's first pairs on, as here, 7.9 and 15.2-15.9 (the
 // same loop, alternating). One layer's weight hot in cache: ~900 GFLOP/s at 32 rows against
 // oneDNN's 830.
-constexpr int kMaxTiledRows = 64;
 constexpr int kGroupRows = 6;
 constexpr int64_t kChunkPairs = 64;
 
