@@ -26,9 +26,20 @@ def test_packed_linear_matches_f_linear(rows, dtype, bias):
     # A strided activation, as a slice of a wider buffer is.
     x = torch.randn(rows, 100, generator=gen).to(dtype)[:, 10:90]
     packed = packed_linear.pack(weight)
-    assert packed is not None and packed.is_mkldnn and packed.shape == weight.shape
+    if packed is None and dtype == torch.bfloat16 and not _onednn_packs_bf16():
+        # oneDNN packs bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only Zen 3 has
+        # neither): pack declines and the layer keeps its plain weight and F.linear.
+        packed = weight
+    else:
+        assert packed is not None and packed.is_mkldnn and packed.shape == weight.shape
     got = linear(x, packed, b, skinny=None)
     torch.testing.assert_close(got.float(), F.linear(x, weight, b).float(), **TOL[dtype])
+
+
+def _onednn_packs_bf16() -> bool:
+    """Whether this CPU has what oneDNN's bf16 weight reorder asks for (its error names the flags)."""
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    return "avx_ne_convert" in flags or {"avx512bw", "avx512vl", "avx512dq"} <= set(flags)
 
 
 def test_pack_declines_what_it_cannot_serve():
