@@ -112,6 +112,16 @@ def status(args: argparse.Namespace) -> int:
         print(f"  {w['worker_id']:<12} {str(w.get('node_id', '?'))[:8]:<10} {health:<9} {w.get('in_flight', 0):>9} "
               f"{w.get('running', '?'):>7} {w.get('waiting', '?'):>7} {str(w.get('queued_tokens', '?')):>10} "
               f"{kv:>14}  {placement}" + (f"  error: {w['error']}" if w.get("error") else ""))
+    links = [(w["worker_id"], dst, link) for w in status["workers"] for dst, link in (w.get("kv_links") or {}).items()]
+    if links:
+        print("  KV links:")
+    for src, dst, link in links:
+        if link["up"]:
+            state = "up"
+        else:
+            state = f"DOWN ({link['error']})" + (f"; KV goes over the fallback {link['route']}" if link["fallback"]
+                                                 else "; no route: not used")
+        print(f"    {src} -> {dst}: {state}")
     return 0
 
 

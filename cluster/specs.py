@@ -43,6 +43,9 @@ class WorkerSpec:
     dist_world_size: int | None = None
     dist_store_address: str | None = None
     dist_sources: tuple[int, ...] = ()  # decode: the prefill ranks its KV comes from (NCCL names each source)
+    dist_sinks: tuple[int, ...] = ()  # prefill: the decode ranks it may send to (a heartbeat keeps each link)
+    dist_timeout_s: float = 120.0  # kv_transfer.dist_timeout_s: the group's bound on every send and receive
+    link_heartbeat_s: float = 5.0  # kv_transfer.link_heartbeat_s: an idle KV link's heartbeat
     shard_store_address: str | None = None  # TP x PP > 1: the store its follower ranks join
     # What the router may ask for: a larger lease or transfer deadline in a message is cut to these
     # (kv_transfer.reservation_lease_s / timeout_s), so no peer can hold pages indefinitely.
@@ -78,11 +81,29 @@ class WorkerSpec:
             return f"dist:{self.dist_rank}"
         return f"{self.host}:{self.kv_port}"
 
+    @property
+    def kv_fallback_address(self) -> str | None:
+        """Where a decode worker on the torch_dist transport also takes KV over ZMQ
+        (host:kv_port): the pairs whose torch.distributed link died send there. None otherwise."""
+        if self.role != "decode" or self.kv_transport != "torch_dist" or self.kv_port is None:
+            return None
+        return f"{self.host}:{self.kv_port}"
+
+    @property
+    def kv_source(self) -> str | None:
+        """A prefill worker's name as a torch_dist decode worker's receiver knows it (`dist:<rank>`;
+        a link it can no longer hear is reported under it). None off torch_dist."""
+        if self.role != "prefill" or self.kv_transport != "torch_dist":
+            return None
+        return f"dist:{self.dist_rank}"
+
 
 def kv_destinations(specs: Iterable[WorkerSpec]) -> tuple[str, ...]:
-    """The KV addresses of the decode workers among `specs` (each with the host it bound): the
-    only places a prefill worker of the cluster may push KV to (engine/kv_transfer/destinations.py)."""
-    return tuple(sorted({spec.kv_address for spec in specs if spec.kv_address is not None}))
+    """The KV addresses of the decode workers among `specs` (each with the host it bound), with
+    their ZMQ fallbacks on torch_dist: the only places a prefill worker of the cluster may push
+    KV to (engine/kv_transfer/destinations.py)."""
+    return tuple(sorted({address for spec in specs for address in (spec.kv_address, spec.kv_fallback_address)
+                         if address is not None}))
 
 
 def serving_pools(config: ClusterConfig) -> list[tuple[str, PoolConfig]]:
@@ -101,11 +122,14 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
     kv = config.kv_transfer
     rank = world_size = store = None
     sources: tuple[int, ...] = ()
+    sinks: tuple[int, ...] = ()
     if kv.transport == "torch_dist" and role != "colocated":
         ranks = config.kv_dist_ranks()
         rank, world_size, store = ranks[worker_id], len(ranks), f"{router_host}:{kv.dist_port}"
         if role == "decode":
             sources = tuple(r for name, r in ranks.items() if name.startswith("prefill-"))
+        else:
+            sinks = tuple(r for name, r in ranks.items() if name.startswith("decode-"))
     return WorkerSpec(
         role=role, worker_id=worker_id, engine=config.engine_config(pool), host=host,
         command_port=pool.base_port + index,
@@ -113,6 +137,7 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
         kv_port=pool.kv_base_port + index if role == "decode" and pool.kv_base_port is not None else None,
         kv_transport=kv.transport, kv_checksum=kv.checksum,
         dist_rank=rank, dist_world_size=world_size, dist_store_address=store, dist_sources=sources,
+        dist_sinks=sinks, dist_timeout_s=kv.dist_timeout_s, link_heartbeat_s=kv.link_heartbeat_s,
         max_lease_s=kv.reservation_lease_s, max_transfer_s=kv.timeout_s,
         shard_store_address=None,  # placed groups learn their store's node first (worker_launch.py)
         metrics_port=pool.metrics_base_port + index if pool.metrics_base_port is not None else None,

@@ -19,9 +19,11 @@ from cluster.specs import NODE_IP, WorkerSpec
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
-from engine.kv_transfer import KVSender, torch_dist
+from engine.kv_transfer import torch_dist
 from engine.kv_transfer.destinations import KVDestinations
-from engine.kv_transfer.transport import BaseFrameSender
+from engine.kv_transfer.links import KVLinks
+from engine.kv_transfer.multi_receiver import MultiFrameReceiver
+from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from engine.metrics.peak import Peak, resolve_peak
 from engine.metrics.rejected import RejectedMessages
@@ -174,32 +176,32 @@ class WorkerHost:
             rank, world_size, store = spec.dist_rank, spec.dist_world_size, spec.dist_store_address
             if spec.host.startswith("127.") and "GLOO_SOCKET_IFNAME" not in os.environ:
                 os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # a loopback cluster: keep gloo on lo
-            torch_dist.join_group(rank, world_size, store, backend="nccl" if device.startswith("cuda") else "gloo")
+            torch_dist.join_group(rank, world_size, store, backend="nccl" if device.startswith("cuda") else "gloo",
+                                  timeout_s=spec.dist_timeout_s)
             closers.append(torch_dist.leave_group)
         if self.role == "decode":
-            if spec.kv_transport == "torch_dist":
-                receiver = torch_dist.DistFrameReceiver(spec.dist_sources, device)
-            else:
-                receiver = ZmqFrameReceiver(spec.host, spec.kv_port, spec.cluster_secret,
+            zmq_receiver = ZmqFrameReceiver(spec.host, spec.kv_port, spec.cluster_secret,
                                             sign_payload=not spec.kv_checksum, on_reject=self.rejections.count)
-                closers.append(receiver.close)
+            receiver: BaseFrameReceiver = zmq_receiver
+            if spec.kv_transport == "torch_dist":  # ZMQ stays bound: the pairs whose dist link died use it
+                receiver = MultiFrameReceiver(torch_dist.DistFrameReceiver(spec.dist_sources, device), zmq_receiver)
+            closers.insert(0, receiver.close)  # before the group is left: its receive threads end then
             return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
                                 transfer_observer=observe_transfer, max_lease_s=spec.max_lease_s,
                                 require_checksum=spec.kv_checksum)
-        senders: dict[str, KVSender] = {}
 
-        def open_sender(address: str) -> KVSender:
-            if address not in senders:  # one connection per decode worker, reused
-                if address.startswith(torch_dist.PREFIX):
-                    frames: BaseFrameSender = torch_dist.DistFrameSender(address, device)
-                else:
-                    frames = ZmqFrameSender(address, spec.cluster_secret, self.worker_id,
-                                            sign_payload=not spec.kv_checksum)
-                closers.append(frames.close)
-                senders[address] = KVSender(frames, checksum=spec.kv_checksum, observer=observe_transfer)
-            return senders[address]
+        def open_frames(address: str) -> BaseFrameSender:
+            if address.startswith(torch_dist.PREFIX):
+                return torch_dist.DistFrameSender(address, device, heartbeat_s=spec.link_heartbeat_s)
+            return ZmqFrameSender(address, spec.cluster_secret, self.worker_id, sign_payload=not spec.kv_checksum,
+                                  heartbeat_s=spec.link_heartbeat_s)
 
-        return PrefillWorker(self.worker_id, self.engine, open_sender, emit, self.kv_destinations,
+        links = KVLinks(open_frames, checksum=spec.kv_checksum, observer=observe_transfer)
+        # Every torch_dist link from the start (not on first use): its heartbeat keeps the
+        # decode rank's posted receive under the group timeout even if no request ever uses it.
+        links.keep(torch_dist.address_of(rank) for rank in spec.dist_sinks)
+        closers.insert(0, links.close)
+        return PrefillWorker(self.worker_id, self.engine, links, emit, self.kv_destinations,
                              max_transfer_s=spec.max_transfer_s)
 
     def _load(self, role):
@@ -207,8 +209,14 @@ class WorkerHost:
 
         def load() -> wm.Load:
             queued = role.queued_tokens if isinstance(role, PrefillWorker) else 0
+            if isinstance(role, PrefillWorker):
+                links = tuple(wm.KVLink(s.address, s.up, s.error or "") for s in role.link_states)
+            elif isinstance(role, DecodeWorker):
+                links = tuple(wm.KVLink(address, False, why[:500]) for address, why in role.dead_sources.items())
+            else:
+                links = ()
             snap = engine.snapshot
-            return wm.Load(worker_id, name, queued, snap.free_pages, snap.num_running, incarnation)
+            return wm.Load(worker_id, name, queued, snap.free_pages, snap.num_running, incarnation, links)
 
         return load
 

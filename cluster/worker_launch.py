@@ -44,7 +44,7 @@ class WorkerSlot:
         """What the router is told of this worker, once it is ready (`resolve`): the addresses it bound."""
         if self.bound is None:
             raise RuntimeError(f"worker {self.worker_id} has not reported ready: its addresses are not known yet")
-        return WorkerEndpoint(self.worker_id, self.role, self.command_address, self.bound.kv_address)
+        return endpoint_of(self.bound, self.command_address)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Asks the worker to stop its loop (its followers leave theirs), then kills everything."""
@@ -65,6 +65,12 @@ class WorkerSlot:
         if self.group is not None:
             self.group.remove()
             self.group = None
+
+
+def endpoint_of(spec: WorkerSpec, command_address: str | None = None) -> WorkerEndpoint:
+    """The router's view of a worker started with `spec` (the addresses it bound)."""
+    return WorkerEndpoint(spec.worker_id, spec.role, command_address or spec.command_address, spec.kv_address,
+                          spec.kv_fallback_address, spec.kv_source)
 
 
 def worker_host(config: ClusterConfig) -> str:

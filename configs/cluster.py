@@ -176,6 +176,19 @@ class KVTransferConfig(_Strict):
     # (and the request is retried) instead of decoding from garbage.
     checksum: bool = True
     dist_port: int = Field(52500, ge=1, le=65535, description="torch_dist: the process group's TCP store port")
+    # torch_dist: every send and receive of the group is bounded by this, and a receive that runs
+    # past it ends that link for good (engine/kv_transfer/torch_dist.py), so idle links carry a
+    # heartbeat every link_heartbeat_s (kept to at most a third of it). On ZMQ links the same
+    # interval paces ZMTP pings, which find a decode worker that vanished without a goodbye.
+    dist_timeout_s: float = Field(120.0, gt=0, description="torch_dist: the process group's timeout")
+    link_heartbeat_s: float = Field(5.0, gt=0, description="an idle KV link carries a heartbeat this often")
+
+    @model_validator(mode="after")
+    def _check_heartbeat(self) -> KVTransferConfig:
+        if self.link_heartbeat_s * 3 > self.dist_timeout_s:
+            raise ValueError(f"link_heartbeat_s ({self.link_heartbeat_s:g}) must be at most a third of "
+                             f"dist_timeout_s ({self.dist_timeout_s:g}): an idle torch_dist link would time out")
+        return self
 
 
 class RayConfig(_Strict):

@@ -74,6 +74,9 @@ class DecodeWorker:
         # One record per request between ReserveKV and joining: its prompt and sampling settings.
         # The pages are the engine's reservation; the KV deadline is the receiver's.
         self._reserved: dict[str, ReserveKV] = {}
+        # The KV sources this worker can no longer hear (address -> why), as of the last publish():
+        # the heartbeat reports them, so the router sends their KV another way.
+        self.dead_sources: dict[str, str] = {}
 
     def handle(self, message: object) -> None:
         if isinstance(message, ReserveKV):
@@ -107,6 +110,7 @@ class DecodeWorker:
     def publish(self) -> None:
         """What other threads read (heartbeats, status, metrics) made current; on this thread."""
         self.engine.publish_snapshot()
+        self.dead_sources = self.kv_transport.link_errors()
 
     def _emit_tokens(self, out: RequestOutput) -> None:
         if out.finished:

@@ -21,6 +21,7 @@ from configs.logging_setup import EventLog
 from engine import LLMEngine, SamplingParams
 from engine.kv_transfer import KVSender, TransferState, TransportError
 from engine.kv_transfer.destinations import KVDestinations
+from engine.kv_transfer.links import KVLinks, LinkState
 from proto.worker_messages import Abort, Failed, FirstToken, Prefill, TransferEnded
 
 
@@ -45,26 +46,28 @@ class PrefillWorker:
         self,
         worker_id: str,
         engine: LLMEngine,
-        open_sender: Callable[[str], KVSender],
+        links: KVLinks,
         emit: Callable[[object], None],
         destinations: KVDestinations,
         pages_per_frame: int = 8,
         max_transfer_s: float = 30.0,
     ) -> None:
-        """`destinations`: the decode endpoints KV may go to (kept current by whoever started
-        this worker); `max_transfer_s`: the longest a KV transfer (and the KV it holds here) may
-        last, whatever a Prefill asks."""
+        """`links`: the KV senders, one per decode endpoint (engine/kv_transfer/links.py), kept
+        open to every destination so their states reach the router; `destinations`: the decode
+        endpoints KV may go to (kept current by whoever started this worker); `max_transfer_s`:
+        the longest a KV transfer (and the KV it holds here) may last, whatever a Prefill asks."""
         self.worker_id = worker_id
         self.destinations = destinations
         self.rejected: dict[str, int] = {}  # refused Prefill commands by reason
         self.max_transfer_s = max_transfer_s
         self.engine = engine
-        self.open_sender = open_sender  # address -> KVSender (the runner caches connections)
+        self.links = links
         self.emit = emit
         self.pages_per_frame = pages_per_frame
         self._jobs: dict[str, _Job] = {}
         self.log = EventLog("prefill", worker_id)
         self.queued_tokens = 0  # num_queued_tokens as of the last publish(): what other threads read
+        self.link_states: tuple[LinkState, ...] = ()  # as of the last publish(): the heartbeat reports them
 
     @property
     def num_queued_tokens(self) -> int:
@@ -75,6 +78,8 @@ class PrefillWorker:
         """What other threads read (heartbeats, status, metrics) made current; on this thread."""
         self.engine.publish_snapshot()
         self.queued_tokens = self.num_queued_tokens
+        self.links.keep(self.destinations.addresses)  # a link to every destination, before it is needed
+        self.link_states = self.links.states()
 
     def handle(self, message: object) -> None:
         if isinstance(message, Prefill):
@@ -121,7 +126,7 @@ class PrefillWorker:
             return
         self.log.event("admitted", message.request_id, prompt_tokens=len(message.prompt_token_ids),
                        decode=message.kv.address, pages_to_send=message.kv.num_pages - message.kv.skip_pages)
-        sender = self.open_sender(message.kv.address)
+        sender = self.links.sender(message.kv.address)
         sender.begin(message.request_id, min(message.kv.timeout_s, self.max_transfer_s), message.kv.token)
         self._jobs[message.request_id] = _Job(message, sender)
 

@@ -10,7 +10,7 @@ The disaggregated journey of request R (docs/design.md §2), one message per arr
     decode -> router   Tokens(R, ids, finished?)       joined when the transfer is done; streamed
     router -> any      Abort(R)                        cancel/deadline: every side frees
     worker -> router   Failed(R, stage, reason)        a terminal failure on that worker
-    worker -> router   Load(...)                       heartbeat: liveness and policy inputs
+    worker -> router   Load(...)                       heartbeat: liveness, policy inputs, KV link states
 A colocated worker takes Generate(R, prompt, sampling) and answers with Tokens.
 `encode` / `decode` turn a message into msgpack bytes and back, checking the type tag.
 """
@@ -141,6 +141,17 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class KVLink:
+    """A KV link as a worker reports it in its heartbeat: a prefill worker reports each decode
+    endpoint it holds a link to; a decode worker only the sources it can no longer hear
+    (torch_dist: `dist:<rank>`). `detail` says why a link is down."""
+
+    address: str
+    up: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class Load:
     """Heartbeat with the signals the router's policy and health checks use."""
 
@@ -150,6 +161,7 @@ class Load:
     free_pages: int
     running: int
     incarnation: str = ""  # new per worker process: a replacement under the same id is not the same worker
+    kv_links: tuple[KVLink, ...] = ()  # the worker's KV links (router/worker_pool.py routes around dead ones)
 
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (
@@ -235,6 +247,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "str | None": _optional(_str),
     "tuple[int, ...]": _items(_int), "tuple[float, ...]": _items(_float),
     "Sampling": _nested(Sampling), "KVDestination": _nested(KVDestination),
+    "tuple[KVLink, ...]": _items(_nested(KVLink)),
 }
 
 

@@ -17,7 +17,7 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from router.journey_state import Journey, JourneySettings, Pool, RouterError, Stream, WorkerLost
-from router.policy import LeastLoadedPolicy
+from router.policy import LeastLoadedPolicy, WorkerLoad
 from router.prefill_gate import PrefillGate
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class Attempt:
         self.involved: set[str] = set()  # workers that may hold something of this attempt: Abort them at the end
         self.watched: dict[str, str | None] = {}  # workers whose death (or replacement) ends it -> incarnation
         self.gated: str | None = None  # the prefill worker whose gate credit this attempt holds
+        self.kv_route: str | None = None  # where the prefill worker sends this attempt's KV
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
         path = self._colocated() if self.settings.mode == "colocated" else self._disaggregated()
@@ -75,7 +76,7 @@ class Attempt:
     async def _disaggregated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
         prefill = await _prefill_slot(self.j, self.prompt, self.pool, self.policy, self.gate, self.wait_s)
         self.gated = prefill
-        decode = await self._reserve()
+        decode = await self._reserve(prefill)
         # Which worker may say what: a message naming another sender is not this attempt's.
         senders = {wm.Reserved: decode, wm.Tokens: decode, wm.FirstToken: prefill, wm.TransferEnded: prefill}
         # The decode worker joins the request when its KV lands and may stream before the prefill
@@ -87,15 +88,22 @@ class Attempt:
                 continue
             if isinstance(msg, wm.Reserved):
                 self._check_kv_address(msg)
+                address = self._route(prefill, decode)
                 self.policy.record(self.prompt, prefill)
-                kv = wm.KVDestination(msg.kv_address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s,
+                kv = wm.KVDestination(address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s,
                                       msg.transfer_token)
                 await self._dispatch(prefill, wm.Prefill(self.rid, self.prompt, self.sampling, kv))
             elif isinstance(msg, wm.Failed):
+                if msg.stage == "transfer" and self.kv_route is not None:
+                    self.pool.suspect(prefill, self.kv_route)  # nothing arrived: the link may be dead
                 self._fail(msg)
             elif isinstance(msg, wm.TransferEnded):
                 if msg.state == "done":  # the prefill worker holds nothing more of this request
                     self._done_with(msg.worker_id)
+                else:  # the KV could not be sent (a dead link): retry now on another way, not at the lease's end
+                    if self.kv_route is not None:
+                        self.pool.suspect(prefill, self.kv_route)
+                    raise WorkerLost(f"KV transfer from {prefill} to {decode} ({self.kv_route}) {msg.state}")
             elif isinstance(msg, wm.FirstToken):
                 self._release_gate()  # prefilled: the next prompt in the router's queue may go
                 if self.first:
@@ -125,11 +133,18 @@ class Attempt:
             if self.stream.ended:
                 return
 
-    async def _reserve(self) -> str:
-        """Decode pages for the prompt, retrying while every decode worker is full (backpressure);
-        returns the decode worker that reserved them."""
+    async def _reserve(self, prefill: str) -> str:
+        """Decode pages for the prompt on a decode worker `prefill` has a KV link to, retrying
+        while every such worker is full (backpressure); returns the decode worker that reserved them."""
+        def reachable() -> list[WorkerLoad]:
+            loads = self.pool.loads("decode")
+            usable = [w for w in loads if self.pool.kv_route(prefill, w.worker_id) is not None]
+            if any(w.healthy for w in loads) and not any(w.healthy for w in usable):
+                raise WorkerLost(f"no KV link from {prefill} to a healthy decode worker")
+            return usable
+
         while True:
-            worker = await _choose(lambda: self.policy.choose_decode(self.prompt, self.pool.loads("decode")),
+            worker = await _choose(lambda: self.policy.choose_decode(self.prompt, reachable()),
                                    self.j, self.wait_s, "no healthy decode worker")
             self._use(worker)
             await _send(self.pool, worker, wm.ReserveKV(self.rid, self.prompt, self.settings.lease_s, self.sampling))
@@ -174,6 +189,18 @@ class Attempt:
                f"not at its known KV endpoint {known!r}")
         self.pool.reject("kv_address", f"request {self.rid}: {why}")
         raise RouterError(grpc.StatusCode.UNAVAILABLE, f"{why}: the prompt was not sent to prefill")
+
+    def _route(self, prefill: str, decode: str) -> str:
+        """Where `prefill` sends `decode`'s KV now (its own address, or its fallback while the
+        primary link is down); a pair with no way left is lost (the attempt is retried)."""
+        route = self.pool.kv_route(prefill, decode)
+        if route is None:
+            raise WorkerLost(f"the KV link from {prefill} to {decode} went down")
+        if route != self.pool.kv_address(decode):
+            log.warning("request %s: KV link %s -> %s is down; sending its KV to the fallback %s", self.rid,
+                        prefill, decode, route)
+        self.kv_route = route
+        return route
 
     def _next(self):
         return _next(self.events, self.j.deadline, self.pool, self.watched)

@@ -9,6 +9,8 @@ door serves it at /metrics. Workers serve their own (engine/metrics/worker_metri
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -16,6 +18,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from router.slo import SloTargets, SloWindow
 
@@ -64,6 +68,12 @@ class RouterMetrics:
                 Gauge(f"pdserve_slo_{name}_target_seconds", f"Configured {name.upper()} target",
                       registry=r).set(target)
 
+    def watch_kv_links(self, links: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        """`pdserve_kv_link_up{src,dst}`, read from `links()` (prefill id, decode id, up) at each
+        scrape: 1 while the pair's own KV link is up, 0 while it is down (its KV may still move
+        over a fallback, `pdserve status` says)."""
+        self.registry.register(_LinkCollector(links))
+
     def request_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_tokens: int,
                          prompt_tokens: int, cached_prompt_tokens: int, spec_proposed_tokens: int = 0,
                          spec_accepted_tokens: int = 0) -> None:
@@ -95,3 +105,15 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _LinkCollector(Collector):
+    def __init__(self, links: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        self._links = links
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily("pdserve_kv_link_up", "Prefill->decode KV link up (1) or down (0)",
+                                   labels=["src", "dst"])
+        for src, dst, up in self._links():
+            family.add_metric([src, dst], 1.0 if up else 0.0)
+        yield family

@@ -86,6 +86,7 @@ class Router:
         self.pool = WorkerPool(self.endpoints, self.event_address, self.spec.cluster_secret, self.heartbeat_timeout_s,
                                on_reject=lambda reason: rejected.labels("worker_events", reason).inc())
         self.pool.start()
+        self.metrics.watch_kv_links(self.pool.link_states)
         security = self.spec.security
         # The key is checked before a request is read (health checks stay open, router/security.py).
         interceptors = [ApiKeyInterceptor(security.api_key, self.refused)] if security.api_key else []

@@ -31,6 +31,9 @@ from router.policy import WorkerLoad
 log = logging.getLogger(__name__)
 MAX_EVENT_BYTES = 16 << 20  # the largest event: a Tokens message with up to 1M token ids is ~9 MiB
 MAX_EVENTS_PER_FRAME = 1024  # events in one frame (a worker sends a step's, 256 at most: cluster/serving_loop.py)
+# A heartbeat is built from state published at most a loop turn before it leaves, every 0.5 s
+# (cluster/serving_loop.py): one that arrives this long after a failed transfer knows of it.
+SUSPECT_LINK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -42,11 +45,20 @@ class WorkerEndpoint:
     # host:kv_port, or dist:<rank>): its Reserved replies must name this and nothing else, or the
     # router would send a prefill worker's KV wherever a reply said (router/attempt.py).
     kv_address: str | None = None
+    # torch_dist only (cluster/specs.py): a decode worker's ZMQ KV endpoint, used by the pairs
+    # whose torch.distributed link is down; a prefill worker's `dist:<rank>`, the name under
+    # which a decode worker reports a link from it that it can no longer hear.
+    kv_fallback_address: str | None = None
+    kv_source: str | None = None
 
     def __post_init__(self) -> None:
         if (self.role == "decode") != (self.kv_address is not None):
             raise ValueError(f"worker {self.worker_id}: a decode worker has a KV address and no other role has "
                              f"one (role {self.role!r}, kv_address {self.kv_address!r})")
+        if self.kv_fallback_address is not None and self.role != "decode":
+            raise ValueError(f"worker {self.worker_id}: only a decode worker has a fallback KV address")
+        if self.kv_source is not None and self.role != "prefill":
+            raise ValueError(f"worker {self.worker_id}: only a prefill worker is a KV source")
 
 
 @dataclass
@@ -60,6 +72,9 @@ class _Worker:
     requests: set[str] = field(default_factory=set)  # ids of request attempts it takes part in
     load: wm.Load | None = None  # the last heartbeat
     last_seen: float | None = None  # when it arrived (time.monotonic())
+    # KV addresses whose link from this (prefill) worker failed a transfer, -> when: avoided until
+    # a heartbeat built after the failure says how the link is (router/attempt.py marks them).
+    suspect_links: dict[str, float] = field(default_factory=dict)
 
 
 class WorkerPool:
@@ -147,16 +162,79 @@ class WorkerPool:
         return 0 if worker is None else len(worker.requests)
 
     def view(self) -> list[dict]:
-        """Each worker as the router sees it (for `pdserve status`)."""
+        """Each worker as the router sees it (for `pdserve status`); a prefill worker with the
+        state of its KV link to each decode worker (`kv_links`)."""
         out = []
         for wid, w in sorted(self._workers.items()):
             load, e = w.load, w.endpoint
-            out.append({"worker_id": wid, "role": e.role, "command_address": e.command_address,
-                        "healthy": self.healthy(wid), "draining": w.draining,
-                        "in_flight": len(w.requests), "last_heartbeat_s": None if w.last_seen is None else
-                        round(time.monotonic() - w.last_seen, 3), "queued_tokens": load.queued_tokens if load else None,
-                        "free_pages": load.free_pages if load else None, "running": load.running if load else None})
+            entry = {"worker_id": wid, "role": e.role, "command_address": e.command_address,
+                     "healthy": self.healthy(wid), "draining": w.draining,
+                     "in_flight": len(w.requests), "last_heartbeat_s": None if w.last_seen is None else
+                     round(time.monotonic() - w.last_seen, 3), "queued_tokens": load.queued_tokens if load else None,
+                     "free_pages": load.free_pages if load else None, "running": load.running if load else None}
+            if e.role == "prefill":
+                entry["kv_links"] = {d: self.link_view(wid, d) for d in sorted(self._workers)
+                                     if self._workers[d].endpoint.role == "decode"}
+            out.append(entry)
         return out
+
+    # -- KV links -------------------------------------------------------------------------------
+    def link_error(self, prefill_id: str, address: str) -> str | None:
+        """Why `prefill_id` cannot send KV to `address` now (None: as far as the router knows, it
+        can). From the workers' heartbeats (the prefill worker's own link, and, on torch_dist,
+        the decode worker's receiver) and the transfers that failed since (`suspect`)."""
+        prefill = self._workers.get(prefill_id)
+        if prefill is None:
+            return f"{prefill_id} is not in the pool"
+        load = prefill.load
+        for link in load.kv_links if load else ():
+            if link.address == address and not link.up:
+                return link.detail or "down"
+        failed_at = prefill.suspect_links.get(address)
+        if failed_at is not None:
+            if prefill.last_seen is not None and prefill.last_seen - failed_at >= SUSPECT_LINK_S:
+                del prefill.suspect_links[address]  # the heartbeat since says the link is up
+            else:
+                return "a transfer over it just failed"
+        source = prefill.endpoint.kv_source
+        for decode in self._workers.values():
+            if source is not None and decode.endpoint.kv_address == address and decode.load is not None:
+                for link in decode.load.kv_links:
+                    if link.address == source and not link.up:
+                        return f"{decode.endpoint.worker_id} no longer hears it: {link.detail or 'down'}"
+        return None
+
+    def kv_route(self, prefill_id: str, decode_id: str) -> str | None:
+        """Where `prefill_id` sends `decode_id`'s KV: the decode worker's KV address while that
+        link is up, else its ZMQ fallback (torch_dist) while that one is; None: no way now."""
+        decode = self._workers.get(decode_id)
+        if decode is None or decode.endpoint.kv_address is None:
+            return None
+        for address in (decode.endpoint.kv_address, decode.endpoint.kv_fallback_address):
+            if address is not None and self.link_error(prefill_id, address) is None:
+                return address
+        return None
+
+    def link_view(self, prefill_id: str, decode_id: str) -> dict:
+        """The pair's link for `pdserve status` and the metrics: up, why not, where KV goes."""
+        decode = self._workers[decode_id].endpoint
+        error = self.link_error(prefill_id, decode.kv_address or "")
+        route = self.kv_route(prefill_id, decode_id)
+        return {"up": error is None, "error": error, "route": route,
+                "fallback": route is not None and route != decode.kv_address}
+
+    def link_states(self) -> list[tuple[str, str, bool]]:
+        """(prefill id, decode id, up) of every pair (the router's metric)."""
+        decodes = [w for w, x in sorted(self._workers.items()) if x.endpoint.role == "decode"]
+        return [(p, d, self.link_view(p, d)["up"]) for p, x in sorted(self._workers.items())
+                if x.endpoint.role == "prefill" for d in decodes]
+
+    def suspect(self, prefill_id: str, address: str) -> None:
+        """A transfer from `prefill_id` to `address` failed: avoid that link until a heartbeat
+        built after the failure tells its state (a retry must not take it again at once)."""
+        worker = self._workers.get(prefill_id)
+        if worker is not None:
+            worker.suspect_links[address] = time.monotonic()
 
     # -- health and load ------------------------------------------------------------------------
     def healthy(self, worker_id: str) -> bool:

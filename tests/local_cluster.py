@@ -17,13 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.specs import kv_destinations, router_spec, worker_spec
 from cluster.worker_host import WorkerHost
+from cluster.worker_launch import endpoint_of
 from configs import ClusterConfig, EngineConfig
 from engine.metrics.peak import Peak
 from loadgen.credentials import ClientAuth
 from proto import pdserve_pb2_grpc
 from proto.frame_auth import ClusterSecret
 from router.server import Router
-from router.worker_pool import WorkerEndpoint
 from tests.fault_injection import crash_tap
 
 # Ports handed to tests come from below the kernel's ephemeral range (32768-60999 on Linux) and
@@ -101,7 +101,7 @@ class LocalCluster:
                 h.set_kv_destinations(destinations)
         for h in self.hosts:
             h.start()
-        endpoints = [WorkerEndpoint(h.worker_id, h.role, h.command_address, h.spec.kv_address) for h in self.hosts]
+        endpoints = [endpoint_of(h.spec) for h in self.hosts]
         self.router = Router(router_spec(self.config, str(model_dir), endpoints, "127.0.0.1", self.secret))
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

@@ -65,6 +65,11 @@ class KVSender:
         self.staging = StagingBuffers()
         self._outgoing: dict[str, _Outgoing] = {}
 
+    @property
+    def num_in_progress(self) -> int:
+        """Transfers begun and not ended on this link."""
+        return len(self._outgoing)
+
     def begin(self, request_id: str, timeout_s: float, token: str = "") -> None:
         """`token`: the secret the decode side gave the reservation (KVDestination.token)."""
         if request_id in self._outgoing:

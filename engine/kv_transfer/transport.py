@@ -25,6 +25,12 @@ class BaseFrameSender:
     def flush(self, timeout_s: float) -> bool:
         return True
 
+    def link_error(self) -> str | None:
+        """Why this link cannot carry frames now (None: it can, or is still connecting). Called
+        on the thread that sends; the worker reports it in its heartbeats (the router routes
+        around a link that is down)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -33,6 +39,11 @@ class BaseFrameReceiver:
     def recv(self, timeout_s: float) -> list[Frame]:
         """Frames that arrived, waiting up to timeout_s for the first one."""
         raise NotImplementedError
+
+    def link_errors(self) -> dict[str, str]:
+        """The senders this receiver can no longer hear, by their KV address -> why (a
+        torch.distributed source whose stream ended; a ZMQ receiver hears any sender)."""
+        return {}
 
     def close(self) -> None:
         pass

@@ -15,6 +15,11 @@ and check). With the checksum off, the signature covers the payload too (and by 
 whose owner says nothing is fully signed). What the header-only choice leaves open: an attacker on the path who rewrites a frame
 in flight could swap its payload for one with the same CRC-32 (CRC is not a cryptographic hash);
 one who can only reach the port cannot, lacking a signed header.
+
+Link state (`ZmqFrameSender.link_error`): a socket monitor reports the connection's handshake
+and its loss; ZMTP heartbeats (`heartbeat_s`) find a peer that vanished without closing its
+connection; a send that timed out counts until a later one succeeds. ZMQ reconnects by itself,
+so a link that went down comes back up when its decode worker does (same address).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Callable
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_transfer.frames import MAX_FRAME_BYTES, Frame, parse_header
 from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender, TransportError
@@ -87,11 +93,18 @@ class ZmqFrameReceiver(BaseFrameReceiver):
         self._sock.close()
 
 
+_UP_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_DOWN_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+
+
 class ZmqFrameSender(BaseFrameSender):
     def __init__(self, address: str, secret: ClusterSecret, name: str = "kv", sign_payload: bool = True,
-                 send_timeout_s: float = 5.0, context: zmq.Context | None = None) -> None:
+                 send_timeout_s: float = 5.0, context: zmq.Context | None = None, heartbeat_s: float = 5.0,
+                 connect_grace_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         """`name`: the sending worker's id (the receiver logs it); `sign_payload`: as the
-        receiver's (kv_transfer.checksum off)."""
+        receiver's (kv_transfer.checksum off); `heartbeat_s`: ZMTP ping interval (a peer silent
+        for 3 of them is disconnected); `connect_grace_s`: how long a link that never connected
+        counts as still connecting rather than down."""
         self.address = address
         self.sign_payload = sign_payload
         self._signer = FrameSigner(secret, name)  # this link's own: the receiver sees its counters in order
@@ -102,8 +115,31 @@ class ZmqFrameSender(BaseFrameSender):
         # the transfer fails, instead of piling KV into a buffer nobody drains.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat_s * 1000))
+        self._monitor = self._sock.get_monitor_socket(_UP_EVENTS | _DOWN_EVENTS)
+        self._clock = clock
+        self._opened = clock()
+        self._connect_grace_s = connect_grace_s
+        self._connected: bool | None = None  # None: not connected yet; False: lost (reconnecting)
+        self._send_error = ""  # the last send failed (cleared by one that succeeds)
         self._sock.connect(f"tcp://{address}")
         self._in_flight: list[tuple[zmq.MessageTracker, object]] = []
+
+    def link_error(self) -> str | None:
+        while True:  # the connection's events since the last look (on the sending thread, as the socket)
+            try:
+                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            self._connected = bool(event & _UP_EVENTS)
+        if self._send_error:
+            return f"KV send to {self.address} failed: {self._send_error}"
+        if self._connected is False:
+            return f"disconnected from {self.address} (reconnecting)"
+        if self._connected is None and self._clock() - self._opened > self._connect_grace_s:
+            return f"not connected to {self.address} after {self._clock() - self._opened:.1f} s"
+        return None
 
     def send(self, frame: Frame) -> Callable[[], bool]:
         header = msgpack.packb(frame.header, use_bin_type=True)
@@ -113,9 +149,12 @@ class ZmqFrameSender(BaseFrameSender):
         try:
             tracker = self._sock.send_multipart(parts, copy=False, track=True)
         except zmq.Again as exc:
+            self._send_error = "send timed out: no receiver took the frame"
             raise TransportError(f"send timed out: no receiver took the frame ({exc})") from exc
         except zmq.ZMQError as exc:
+            self._send_error = str(exc)[:200]
             raise TransportError(str(exc)) from exc
+        self._send_error = ""
         self._in_flight.append((tracker, frame.payload))  # keep the bytes alive until sent
         if len(self._in_flight) > 64:  # drop the entries ZMQ is done with
             self._in_flight = [(t, p) for t, p in self._in_flight if not t.done]
@@ -133,5 +172,7 @@ class ZmqFrameSender(BaseFrameSender):
         return True
 
     def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
 

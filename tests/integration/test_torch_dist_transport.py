@@ -123,9 +123,10 @@ def test_sends_return_before_the_peer_receives_and_flush_waits_for_them():
 
 def test_the_preamble_carries_the_header_and_payload_length():
     from engine.kv_transfer.frames import MAX_HEADER_BYTES
-    from engine.kv_transfer.torch_dist import PREAMBLE_BYTES, decode_preamble, encode_preamble
+    from engine.kv_transfer.torch_dist import PREAMBLE_BYTES, decode_preamble, encode_preamble, heartbeat_preamble
     from engine.kv_transfer.transport import TransportError
 
+    assert decode_preamble(heartbeat_preamble()) == (b"", 0)  # a heartbeat: no header, no payload
     preamble = encode_preamble(b"\x81\xa4kind\xa4done", 12345)
     assert preamble.shape == (PREAMBLE_BYTES,)
     assert decode_preamble(preamble) == (b"\x81\xa4kind\xa4done", 12345)
@@ -139,3 +140,83 @@ def test_the_preamble_carries_the_header_and_payload_length():
     bad[8:16].view(torch.int64)[0] = -1
     with pytest.raises(ValueError, match="preamble"):
         decode_preamble(bad)
+
+
+GROUP_TIMEOUT_S = 2.0  # shortened: the default is 120 s
+
+
+def _idle_main(rank: int, port: int, results) -> None:
+    """A frame, then 3x the group timeout with nothing to send, then another frame."""
+    import time
+
+    from engine.kv_transfer import torch_dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch_dist.join_group(rank, 2, f"127.0.0.1:{port}", "gloo", timeout_s=GROUP_TIMEOUT_S)
+    if rank == 0:
+        sender = torch_dist.DistFrameSender(torch_dist.address_of(1), heartbeat_s=GROUP_TIMEOUT_S / 4)
+        sender.send(pages_frame("before", 0, torch.ones(PAGES), checksum=True))
+        time.sleep(3 * GROUP_TIMEOUT_S)
+        sender.send(pages_frame("after", 0, torch.ones(PAGES), checksum=True))
+        results.put(("send", sender.flush(10), sender.link_error(), sender.num_heartbeats))
+    else:
+        receiver = torch_dist.DistFrameReceiver([0])
+        got: list[str] = []
+        deadline = time.monotonic() + 6 * GROUP_TIMEOUT_S
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += [f.header["request_id"] for f in receiver.recv(0.2)]
+        results.put(("recv", got, receiver.link_errors(), receiver.num_heartbeats))
+    time.sleep(0.5)
+    os._exit(0)  # not leave_group: the receive threads are still blocked in gloo (see above)
+
+
+def test_an_idle_link_outlives_three_group_timeouts():
+    """gloo bounds every receive by the group timeout, and one that runs past it closes the pair
+    for good (before the heartbeat, the second frame failed with "Connection closed by peer"):
+    the idle sender's heartbeats keep the posted receive under it, and are never seen as frames."""
+    reports, _ = run_ranks(_idle_main, 2, 2, "a rank reported nothing")
+    got = {report[0]: report[1:] for report in reports}
+    flushed, error, beats_sent = got["send"]
+    frames, errors, beats_received = got["recv"]
+    assert flushed is True and error is None and frames == ["before", "after"] and errors == {}
+    assert beats_sent >= 8 and beats_received == beats_sent  # ~12 in 6 s at 0.5 s
+
+
+def _death_main(rank: int, port: int, results) -> None:
+    """Rank 1 (decode) stops reading (SIGSTOP-like: never posts receives and exits late); rank
+    0's heartbeat finds the link dead. Then the roles swap: a sender that dies is seen by the
+    receiver as a source it no longer hears."""
+    import time
+
+    from engine.kv_transfer import torch_dist
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch_dist.join_group(rank, 3, f"127.0.0.1:{port}", "gloo", timeout_s=GROUP_TIMEOUT_S)
+    if rank == 0:  # sends to rank 1, which exits without reading
+        sender = torch_dist.DistFrameSender(torch_dist.address_of(1), heartbeat_s=0.2)
+        deadline = time.monotonic() + 10
+        while sender.link_error() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results.put(("sender", sender.link_error()))
+        time.sleep(8)
+    elif rank == 1:  # exits: its connections close
+        time.sleep(0.5)
+        os._exit(0)
+    else:  # rank 2 reads rank 1, which dies
+        receiver = torch_dist.DistFrameReceiver([1])
+        deadline = time.monotonic() + 10
+        while not receiver.link_errors() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results.put(("receiver", receiver.link_errors()))
+    time.sleep(0.5)
+    os._exit(0)
+
+
+def test_a_dead_link_is_reported_by_its_sender_and_by_its_receiver():
+    reports, _ = run_ranks(_death_main, 3, 2, "a rank reported nothing")
+    got = dict(reports)
+    assert "torch.distributed send to rank 1 failed" in got["sender"]
+    assert list(got["receiver"]) == ["dist:1"] and "receive failed" in got["receiver"]["dist:1"]
+    with pytest.raises(ValueError, match="heartbeat_s must be > 0"):
+        from engine.kv_transfer.torch_dist import DistFrameSender
+        DistFrameSender("dist:1", heartbeat_s=0)

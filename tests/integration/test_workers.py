@@ -13,9 +13,10 @@ from configs import EngineConfig
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
-from engine.kv_transfer import KVSender
+from engine.kv_transfer import BaseFrameSender
 from engine.kv_transfer.destinations import KVDestinations
 from engine.kv_transfer.inproc import InProcChannel
+from engine.kv_transfer.links import KVLinks
 from prefill_worker.worker import PrefillWorker
 from proto import worker_messages as m
 from tests.helpers import assert_no_page_leak, hf_greedy
@@ -37,7 +38,7 @@ class MiniRouter:
         self.prefill = PrefillWorker(
             "p0", LLMEngine(EngineConfig(model=model, page_size=8, max_num_batched_tokens=prefill_budget,
                                          max_num_seqs=8)),
-            self._open_sender, emit, KVDestinations(["inproc"]), pages_per_frame=2)
+            KVLinks(self._open_frames, checksum=True), emit, KVDestinations(["inproc"]), pages_per_frame=2)
         self.decode = DecodeWorker(
             "d0", LLMEngine(EngineConfig(model=model, page_size=8, num_pages=decode_pages,
                                          speculative=decode_speculative or {"method": "none"})),
@@ -50,9 +51,9 @@ class MiniRouter:
         self.stage: dict[str, str] = {}
         self.spec: dict[str, tuple[int, int]] = {}  # speculative (proposed, accepted) per request
 
-    def _open_sender(self, address: str) -> KVSender:
+    def _open_frames(self, address: str) -> BaseFrameSender:
         self.opened.append(address)
-        return KVSender(self.channel.sender, checksum=True)
+        return self.channel.sender
 
     def submit(self, request_id: str, prompt: list[int], lease_s: float = 10.0) -> None:
         self.prompts[request_id] = tuple(prompt)

@@ -38,6 +38,9 @@ class FakePool:
         self._queues: dict[str, asyncio.Queue] = {}
         self.involved: dict[str, set[str]] = {}
         self.rejected: list[tuple[str, str]] = []  # (reason, detail) of events the journey refused
+        self.down_links: set[tuple[str, str]] = set()  # (prefill, decode) pairs whose KV link is down
+        self.fallbacks: dict[str, str] = {}  # decode -> its fallback KV address (torch_dist's ZMQ)
+        self.suspected: list[tuple[str, str]] = []  # (prefill, address) of transfers that failed
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         self._queues[request_id] = asyncio.Queue()
@@ -61,6 +64,14 @@ class FakePool:
 
     def kv_address(self, worker_id: str) -> str | None:
         return "kv:1" if self.roles.get(worker_id) == "decode" else None  # what happy_workers reserve at
+
+    def kv_route(self, prefill_id: str, decode_id: str) -> str | None:
+        if (prefill_id, decode_id) in self.down_links:
+            return self.fallbacks.get(decode_id)
+        return self.kv_address(decode_id)
+
+    def suspect(self, prefill_id: str, address: str) -> None:
+        self.suspected.append((prefill_id, address))
 
     def reject(self, reason: str, detail: str) -> None:
         self.rejected.append((reason, detail))
@@ -325,3 +336,46 @@ def test_a_stop_string_inside_a_speculative_run_cuts_the_run_there(tokenizer):
     assert out[-1].usage.completion_tokens == 3
     assert (out[-1].usage.spec_proposed_tokens, out[-1].usage.spec_accepted_tokens) == (4, 3)
     assert "".join(r.text for r in out) == tokenizer.decode([10, 11])
+
+
+def test_a_pair_whose_kv_link_is_down_sends_its_kv_to_the_fallback(tokenizer):
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, happy_workers)
+    pool.down_links.add(("p0", "d0"))
+    pool.fallbacks["d0"] = "kv-zmq:1"
+    assert ids(run(pool, tokenizer)) == [10, 11, 12, 13]
+    [(_, prefill)] = pool.commands(wm.Prefill)
+    assert prefill.kv.address == "kv-zmq:1"
+
+
+def test_a_decode_worker_no_prefill_worker_can_reach_is_not_reserved(tokenizer):
+    pool = FakePool({"p0": "prefill", "d0": "decode", "d1": "decode"}, happy_workers)
+    pool.down_links.add(("p0", "d0"))  # and no fallback
+    assert ids(run(pool, tokenizer)) == [10, 11, 12, 13]
+    assert [w for w, _ in pool.commands(wm.ReserveKV)] == ["d1"]
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, happy_workers)
+    pool.down_links.add(("p0", "d0"))
+    with pytest.raises(RouterError) as err:
+        run(pool, tokenizer)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "no KV link from p0 to a healthy decode" in str(err.value)
+    assert not pool.commands(wm.ReserveKV)
+
+
+def test_kv_the_prefill_worker_could_not_send_is_retried_at_once_marking_the_link(tokenizer):
+    """TransferEnded(aborted): the prefill worker's link failed. The attempt is retried now (not
+    when the decode worker's lease runs out, as its abort frame may never arrive) and the link
+    is marked, so the retry does not take it again before a heartbeat says how it is."""
+    def link_dies_once(worker_id, cmd):
+        if isinstance(cmd, wm.Prefill) and not cmd.request_id.endswith(".retry1"):
+            return [wm.FirstToken(cmd.request_id, worker_id, 10, None, 0),
+                    wm.TransferEnded(cmd.request_id, worker_id, "aborted")]
+        if isinstance(cmd, wm.Prefill):
+            rid, rest = cmd.request_id, cmd.sampling.max_tokens
+            return [wm.FirstToken(rid, worker_id, 11, None, 0), tokens(rid, "d0", tuple(range(12, 11 + rest)), True)]
+        return happy_workers(worker_id, cmd)
+
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, link_dies_once)
+    start = time.monotonic()
+    assert ids(run(pool, tokenizer)) == [10, 11, 12, 13]
+    assert time.monotonic() - start < 2  # not the 5 s lease
+    assert pool.suspected == [("p0", "kv:1")]
+    assert {w for w, m in pool.commands(wm.Abort) if m.request_id == "r"} == {"p0", "d0"}
