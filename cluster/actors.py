@@ -81,8 +81,8 @@ class RouterActor:
             asyncio.run_coroutine_threadsafe(self.http.start(cfg.host, cfg.http_port), self.loop).result(30)
 
     def ready(self) -> bool:
-        """True once every role the mode needs has a live worker."""
-        return self.router.is_ready()
+        """True once every role the mode runs has a live worker."""
+        return self.router.is_up()
 
     def view(self) -> dict:
         return self._on_loop(self._async(self.router.view))

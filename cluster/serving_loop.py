@@ -104,9 +104,11 @@ def serve(
     heartbeat_s: float = 0.5,
     idle_wait_s: float = 0.01,
     on_ready: Callable[[], None] | None = None,
+    notices: Callable[[], list[object]] = lambda: [],
 ) -> None:
     """Runs until `stop` is set. `command_address` is host:port to bind; only commands signed
-    under `secret` for that address are taken."""
+    under `secret` for that address are taken. `notices()`: events that belong to no request
+    (KV block changes), read on this thread after each publish and sent at once."""
     verifier = FrameVerifier(secret, command_address)
     sock = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
@@ -133,6 +135,8 @@ def serve(
             with events.batch() if role.batch_events else contextlib.nullcontext():  # one frame a step
                 busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
+            for notice in notices():
+                events.emit(notice)
     except BaseException:
         stop.set()  # the loop died: heartbeats stop with it, so the router sees a dead worker, not a zombie
         raise

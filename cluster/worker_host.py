@@ -9,6 +9,7 @@ messages under the spec's cluster secret (proto/frame_auth.py); what its loops d
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import uuid
@@ -19,6 +20,7 @@ from cluster.specs import NODE_IP, WorkerSpec
 from decode_worker.colocated import ColocatedWorker
 from decode_worker.worker import DecodeWorker
 from engine import LLMEngine
+from engine.block_events import BlockEventLog
 from engine.kv_transfer import torch_dist
 from engine.kv_transfer.destinations import KVDestinations
 from engine.kv_transfer.links import KVLinks
@@ -26,6 +28,7 @@ from engine.kv_transfer.multi_receiver import MultiFrameReceiver
 from engine.kv_transfer.transport import BaseFrameReceiver, BaseFrameSender
 from engine.kv_transfer.zmq_transport import ZmqFrameReceiver, ZmqFrameSender
 from engine.metrics.peak import Peak, resolve_peak
+from engine.metrics.rates import StepRates
 from engine.metrics.rejected import RejectedMessages
 from engine.metrics.worker_metrics import WorkerMetrics
 from engine.parallel.layout import ShardGroup, ShardLayout
@@ -84,6 +87,10 @@ class WorkerHost:
             layout = ShardLayout(engine_config.tensor_parallel_size, engine_config.pipeline_parallel_size, 0)
             group = ShardGroup.join(layout, shard_store_address, group_backend(engine_config))
         self.engine = LLMEngine(engine_config, group)
+        self.rates = StepRates()  # this worker's measured speed, in its heartbeats (router/placement/)
+        self.engine.add_step_observer(self.rates.observe)
+        self.block_events = BlockEventLog()  # its prefix cache's changes, for the router's KV block index
+        self.engine.page_manager.block_events = self.block_events
         if self.metrics_port is not None:
             peak = peak or resolve_peak(self.spec.peak_memory_bandwidth_gbps, self.spec.peak_tflops,
                                         engine_config.device, engine_config.dtype)
@@ -154,7 +161,7 @@ class WorkerHost:
             role = self._role = self._make_role(self._event_tap(events.emit) if self._event_tap else events.emit,
                                                 closers)
             serve(role, self.command_address, events, self._load(role), self._stop, secret,
-                  on_reject=self.rejections.count, on_ready=self._ready.set)
+                  on_reject=self.rejections.count, on_ready=self._ready.set, notices=self._block_notices)
         except BaseException as exc:  # noqa: BLE001 - the serving loop died, so the worker is dead
             self.crashed, self.error = True, exc
             # Heartbeats stop with the loop: the router must see a dead worker, never a zombie
@@ -204,19 +211,32 @@ class WorkerHost:
         return PrefillWorker(self.worker_id, self.engine, links, emit, self.kv_destinations,
                              max_transfer_s=spec.max_transfer_s)
 
+    def _block_notices(self) -> list[object]:
+        changes = self.block_events.take()
+        if changes is None:
+            return []
+        return [wm.KVBlocks(self.worker_id, self.incarnation, changes.seq, changes.stored, changes.removed,
+                            changes.lost)]
+
     def _load(self, role):
-        engine, worker_id, name, incarnation = self.engine, self.worker_id, self.role, self.incarnation
+        engine, worker_id, name, incarnation, rates = self.engine, self.worker_id, self.role, self.incarnation, self.rates
+        cache = engine.kv_cache
+        kv_bytes_per_token = math.prod(cache.pages_shape(1)) * cache.dtype.itemsize // engine.config.page_size
 
         def load() -> wm.Load:
-            queued = role.queued_tokens if isinstance(role, PrefillWorker) else 0
+            snap = engine.snapshot
+            # Prompt tokens waiting to be computed here: a prefill worker's jobs, a decode
+            # worker's own prompts (placed on it by the router).
+            queued = role.queued_tokens if isinstance(role, PrefillWorker) else snap.pending_prompt_tokens
             if isinstance(role, PrefillWorker):
-                links = tuple(wm.KVLink(s.address, s.up, s.error or "") for s in role.link_states)
+                links = tuple(wm.KVLink(s.address, s.up, s.error or "", s.bytes_per_s, s.latency_s)
+                              for s in role.link_states)
             elif isinstance(role, DecodeWorker):
                 links = tuple(wm.KVLink(address, False, why[:500]) for address, why in role.dead_sources.items())
             else:
                 links = ()
-            snap = engine.snapshot
-            return wm.Load(worker_id, name, queued, snap.free_pages, snap.num_running, incarnation, links)
+            return wm.Load(worker_id, name, queued, snap.free_pages, snap.num_running, incarnation, links,
+                           rates.prefill_tokens_per_s, rates.decode_step_s, kv_bytes_per_token)
 
         return load
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from configs.logging_setup import EventLog
-from decode_worker.worker import sampling_params, tokens_message
+from decode_worker.worker import admit_whole_request, tokens_message
 from engine import LLMEngine
-from proto.worker_messages import Abort, Failed, Generate
+from proto.worker_messages import Abort, Generate
 
 
 class ColocatedWorker:
@@ -24,14 +24,7 @@ class ColocatedWorker:
 
     def handle(self, message: object) -> None:
         if isinstance(message, Generate):
-            try:
-                self.engine.add_request(message.request_id, list(message.prompt_token_ids),
-                                        sampling_params(message.sampling))
-            except ValueError as exc:
-                self.log.event("rejected", message.request_id, reason=str(exc))
-                self.emit(Failed(message.request_id, self.worker_id, "prefill", str(exc)))
-                return
-            self.log.event("admitted", message.request_id, prompt_tokens=len(message.prompt_token_ids))
+            admit_whole_request(self.engine, message, self.worker_id, self.emit, self.log)
         elif isinstance(message, Abort):
             if self.engine.abort_request(message.request_id):
                 self.log.event("aborted", message.request_id)

@@ -3,7 +3,10 @@ stream tokens back to the router.
 
 Driven by a loop that calls `handle(message)` for router messages and `step()` repeatedly.
 `ReserveKV` brings the prompt and its sampling settings; the request joins the batch the moment
-the receiver reports its transfer DONE (the final frame carries the first token). Meanwhile,
+the receiver reports its transfer DONE (the final frame carries the first token). `Generate`
+brings a prompt the router placed here (router/placement/: the prefill pool was busier, down,
+or this worker already holds its prefix): it is computed here, chunked between decode steps,
+and decoded in the same batch, as a colocated worker would. Meanwhile,
 if nothing runs here, a draft model's prompt KV is computed (engine.run_ahead, from `step`),
 beside the prefill worker computing the target's, so the request's first decode step carries
 no prompt. Every
@@ -26,6 +29,7 @@ from engine.kv_transfer import BaseFrameReceiver, KVReceiver, TransferObserver, 
 from proto.worker_messages import (
     Abort,
     Failed,
+    Generate,
     Reserved,
     ReserveKV,
     ReserveRejected,
@@ -44,6 +48,18 @@ def tokens_message(worker_id: str, out: RequestOutput) -> Tokens:
     return Tokens(out.request_id, worker_id, tuple(out.new_token_ids), tuple(out.new_logprobs), out.finished,
                   out.finish_reason.value if out.finish_reason else None, out.num_cached_prompt_tokens,
                   out.num_spec_proposed, out.num_spec_accepted)
+
+
+def admit_whole_request(engine: LLMEngine, message: Generate, worker_id: str, emit: Callable[[object], None],
+                        log: EventLog, **fields: object) -> None:
+    """A whole request (prompt and decode) into `engine`, or Failed with the reason it refused."""
+    try:
+        engine.add_request(message.request_id, list(message.prompt_token_ids), sampling_params(message.sampling))
+    except ValueError as exc:
+        log.event("rejected", message.request_id, reason=str(exc))
+        emit(Failed(message.request_id, worker_id, "prefill", str(exc)))
+        return
+    log.event("admitted", message.request_id, prompt_tokens=len(message.prompt_token_ids), **fields)
 
 
 class DecodeWorker:
@@ -81,6 +97,8 @@ class DecodeWorker:
     def handle(self, message: object) -> None:
         if isinstance(message, ReserveKV):
             self._reserve(message)
+        elif isinstance(message, Generate):
+            self._generate(message)
         elif isinstance(message, Abort):
             if self._drop(message.request_id):
                 self.log.event("aborted", message.request_id)
@@ -141,6 +159,9 @@ class DecodeWorker:
         with contextlib.suppress(ValueError):  # settings the join refuses, saying why (_join)
             self.engine.expect_prefilled_request(message.request_id, list(message.prompt_token_ids),
                                                  sampling_params(message.sampling))
+
+    def _generate(self, message: Generate) -> None:
+        admit_whole_request(self.engine, message, self.worker_id, self.emit, self.log, placement="local")
 
     def _join(self, request_id: str, first_token: int) -> None:
         reserve = self._reserved.pop(request_id)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
+from engine.block_events import BlockEventLog
+
 
 class OutOfPagesError(RuntimeError):
     pass
@@ -32,6 +34,8 @@ class PageManager:
         self._page_to_hash: dict[int, bytes] = {}
         self.prefix_queries_tokens = 0  # prompt tokens looked up (for the hit rate)
         self.prefix_hit_tokens = 0
+        # Every hash registered or dropped, for the router's KV block index (None: nobody listens).
+        self.block_events: BlockEventLog | None = None
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -58,7 +62,7 @@ class PageManager:
                 page = self._free.popleft()
             else:  # reclaim the least recently used cached page
                 page, _ = self._evictable.popitem(last=False)
-                del self._hash_to_page[self._page_to_hash.pop(page)]
+                self._forget(page)
             self.ref_counts[page] = 1
             pages.append(page)
         return pages
@@ -106,6 +110,15 @@ class PageManager:
             return
         self._hash_to_page[page_hash] = page
         self._page_to_hash[page] = page_hash
+        if self.block_events is not None:
+            self.block_events.stored(page_hash)
+
+    def _forget(self, page: int) -> None:
+        """Drops a cached page's hash (it is being reused or freed)."""
+        page_hash = self._page_to_hash.pop(page)
+        del self._hash_to_page[page_hash]
+        if self.block_events is not None:
+            self.block_events.removed(page_hash)
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries_tokens += num_prompt_tokens
@@ -114,6 +127,6 @@ class PageManager:
     def reset_prefix_cache(self) -> None:
         """Forgets every unreferenced cached page (they return to the free list)."""
         for page in list(self._evictable):
-            del self._hash_to_page[self._page_to_hash.pop(page)]
+            self._forget(page)
             self._free.append(page)
         self._evictable.clear()

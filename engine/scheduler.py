@@ -17,9 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.page_manager import PageManager
-from engine.prefix_cache import ROOT_HASH, hash_full_pages
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.spec.proposer import Proposal
+from proto.block_hash import ROOT_HASH, hash_full_pages
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,20 @@ class EngineSnapshot:
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache, ever
     prefix_hit_tokens: int = 0  # of which found
     num_steps: int = 0  # steps that computed something
+    # Prompt tokens of scheduled or waiting sequences not computed yet (a decode worker's own
+    # prompts placed on it: router/placement/ weighs its queue by them).
+    pending_prompt_tokens: int = 0
 
     @classmethod
     def of(cls, scheduler: Scheduler, page_manager: PageManager, num_steps: int) -> EngineSnapshot:
         """The state now: on the engine's own thread only."""
         pm, sched = page_manager, scheduler
+        pending = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+                      for queue in (sched.running, sched.waiting) for seq in queue)
         return cls(num_running=len(sched.running), num_waiting=len(sched.waiting), num_pages=pm.num_pages,
                    free_pages=pm.num_free_pages, referenced_pages=pm.num_referenced_pages,
                    cached_pages=pm.num_cached_pages, prefix_queried_tokens=pm.prefix_queries_tokens,
-                   prefix_hit_tokens=pm.prefix_hit_tokens, num_steps=num_steps)
+                   prefix_hit_tokens=pm.prefix_hit_tokens, num_steps=num_steps, pending_prompt_tokens=pending)
 
     def page_stats(self) -> dict[str, int]:
         """The KV page counts in the shape `pdserve status` and the tests read."""

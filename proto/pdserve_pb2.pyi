@@ -65,20 +65,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_s", "spec_proposed_tokens", "spec_accepted_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_s", "spec_proposed_tokens", "spec_accepted_tokens", "placement")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
     ttft_s: float
     spec_proposed_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    placement: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage")

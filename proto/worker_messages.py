@@ -11,6 +11,7 @@ The disaggregated journey of request R (docs/design.md §2), one message per arr
     router -> any      Abort(R)                        cancel/deadline: every side frees
     worker -> router   Failed(R, stage, reason)        a terminal failure on that worker
     worker -> router   Load(...)                       heartbeat: liveness, policy inputs, KV link states
+    worker -> router   KVBlocks(...)                   prefix-cache changes: the router's KV block index
 A colocated worker takes Generate(R, prompt, sampling) and answers with Tokens.
 `encode` / `decode` turn a message into msgpack bytes and back, checking the type tag.
 """
@@ -149,6 +150,8 @@ class KVLink:
     address: str
     up: bool
     detail: str = ""
+    bytes_per_s: float = 0.0  # measured on its real transfers (engine/kv_transfer/link_meter.py); 0 = not yet
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -162,11 +165,32 @@ class Load:
     running: int
     incarnation: str = ""  # new per worker process: a replacement under the same id is not the same worker
     kv_links: tuple[KVLink, ...] = ()  # the worker's KV links (router/worker_pool.py routes around dead ones)
+    # Measured on the worker's own steps (engine/metrics/rates.py), 0 = not yet: what the router's
+    # placement cost model (router/placement/) predicts queues and prefills with.
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    kv_bytes_per_token: int = 0  # what one token's KV weighs on the wire (the cost model's transfer term)
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """A worker's prefix-cache changes since its previous KVBlocks (engine/block_events.py): full
+    pages now cached (`stored`) and evicted (`removed`), as short hashes (proto/block_hash.py).
+    `seq` counts one worker process's messages from 0: the router forgets what it knew of a
+    worker whose sequence skips (a message lost) or whose incarnation changed; `lost`: the
+    worker itself dropped changes before these."""
+
+    worker_id: str
+    incarnation: str
+    seq: int
+    stored: tuple[int, ...]
+    removed: tuple[int, ...]
+    lost: bool = False
 
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (
     ReserveKV, Reserved, ReserveRejected, Prefill, FirstToken, TransferEnded,
-    Generate, Tokens, Abort, Failed, Load,
+    Generate, Tokens, Abort, Failed, Load, KVBlocks,
 )}
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.page_manager import PageManager
-from engine.prefix_cache import hash_full_pages
+from proto.block_hash import hash_full_pages
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ class LinkState:
 
     address: str
     error: str | None = None
+    bytes_per_s: float = 0.0  # measured on its transfers (link_meter.py); 0 = not yet
+    latency_s: float = 0.0
 
     @property
     def up(self) -> bool:
@@ -74,7 +76,7 @@ class KVLinks:
             elif address not in self._reported and error is not None:
                 log.warning("KV link to %s is down: %s", address, error)
             self._reported[address] = error
-            states.append(LinkState(address, error))
+            states.append(LinkState(address, error, sender.meter.bytes_per_s, sender.meter.latency_s))
         return tuple(states)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from engine.kv_transfer.frames import (
     done_frame,
     pages_frame,
 )
+from engine.kv_transfer.link_meter import LinkMeter
 from engine.kv_transfer.transport import BaseFrameSender, TransportError
 
 
@@ -53,6 +54,9 @@ class _Outgoing:
     token: str = ""  # the transfer's secret from its reservation, carried by every frame
     num_pages: int = 0  # destination pages covered so far (the done frame states it)
     progress: TransferProgress = field(default_factory=TransferProgress)
+    # (payload bytes, whether the transport is done with them) of each frame handed over: what
+    # is still in flight when the prefill finishes is the link's cost to the request (`meter`).
+    frames: list[tuple[int, Callable[[], bool]]] = field(default_factory=list)
 
 
 class KVSender:
@@ -63,6 +67,7 @@ class KVSender:
         self.clock = clock
         self.observer = observer
         self.staging = StagingBuffers()
+        self.meter = LinkMeter()  # this link's latency and bandwidth, from the tails of its transfers
         self._outgoing: dict[str, _Outgoing] = {}
 
     @property
@@ -96,10 +101,13 @@ class KVSender:
         carries `first_token`), else EXPIRED or FAILED (and the receiver is told to abort)."""
         entry = self._outgoing[request_id]
         try:
-            if not self.transport.flush(max(0.0, entry.deadline - self.clock())):
+            in_flight = sum(n for n, done in entry.frames if not done())
+            start = self.clock()
+            if not self.transport.flush(max(0.0, entry.deadline - start)):
                 self._try_send(abort_frame(request_id, "sender deadline passed", entry.token))
                 return self._end(request_id, TransferState.EXPIRED)
             self.transport.send(done_frame(request_id, entry.num_pages, first_token, entry.token))
+            self.meter.add(in_flight, self.clock() - start)
             return self._end(request_id, TransferState.DONE)
         except TransportError:
             return self._end(request_id, TransferState.FAILED)
@@ -117,6 +125,7 @@ class KVSender:
 
     def _send(self, entry: _Outgoing, frame: Frame, end_page: int) -> Callable[[], bool]:
         reusable = self.transport.send(frame)
+        entry.frames.append((len(frame.payload), reusable))
         entry.progress.add(len(frame.payload), self.clock())
         entry.num_pages = max(entry.num_pages, end_page)
         return reusable

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.page_manager import OutOfPagesError, PageManager
-from engine.prefix_cache import ROOT_HASH, hash_full_pages, hash_page
+from proto.block_hash import ROOT_HASH, hash_full_pages, hash_page
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -407,11 +407,11 @@ def test_hash_continuation_equals_full(start):
 
 
 def test_hash_identical_in_separate_process():
-    # Load prefix_cache.py by path (skips importing torch via engine/__init__) under a different
+    # Load block_hash.py by path (skips importing torch via engine/__init__) under a different
     # PYTHONHASHSEED: the digests must not depend on Python's salted hash().
     code = (
         "import importlib.util, sys;"
-        f"spec = importlib.util.spec_from_file_location('pc', {str(REPO / 'engine' / 'prefix_cache.py')!r});"
+        f"spec = importlib.util.spec_from_file_location('pc', {str(REPO / 'proto' / 'block_hash.py')!r});"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m);"
         f"print(','.join(x.hex() for x in m.hash_full_pages({TOKENS!r}, 8)))"
     )

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from engine.page_manager import PageManager
-from engine.prefix_cache import hash_full_pages
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from proto.block_hash import hash_full_pages
 
 FAKE_TOKEN = 7
 

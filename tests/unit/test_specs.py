@@ -103,7 +103,12 @@ def test_the_kv_destinations_are_the_decode_workers_kv_addresses_as_bound():
     dist = cluster(kv_transfer={"transport": "torch_dist", "dist_port": 52500})
     ranks = [worker_spec(dist, role, i, "127.0.0.1", "127.0.0.1", SECRET) for role, i in
              (("prefill", 0), ("prefill", 1), ("decode", 0))]
-    assert kv_destinations(ranks) == (address_of(2),)
+    # torch_dist: the decode rank, and its ZMQ port for pairs whose torch.distributed link died
+    assert kv_destinations(ranks) == ("127.0.0.1:52400", address_of(2))
+    assert ranks[2].kv_fallback_address == "127.0.0.1:52400" and ranks[0].kv_source == "dist:0"
+    assert ranks[0].dist_sinks == (2,) and ranks[2].dist_sources == (0, 1)
+    assert (ranks[0].dist_timeout_s, ranks[0].link_heartbeat_s) == (120.0, 5.0)
+    assert bound[2].kv_fallback_address is None and bound[0].kv_source is None  # zmq: neither
 
 
 def test_the_router_knows_each_decode_workers_kv_address_as_bound():

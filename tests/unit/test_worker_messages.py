@@ -21,6 +21,9 @@ SAMPLING = wm.Sampling(max_tokens=8, temperature=0.5, stop_token_ids=(2, 3), ign
     wm.Tokens("r", "d0", (4, 5, 6), (), False, None, 0, 7, 5),  # an accepted speculative run, with the totals
     wm.Generate("r", (1,), dataclasses.replace(SAMPLING, speculative_method="prompt_lookup", num_speculative_tokens=3)),
     wm.Load("d0", "decode", 0, 10, 1, "abc"),
+    wm.Load("p0", "prefill", 5, 10, 1, "abc", (wm.KVLink("dist:2", False, "peer gone"),
+                                               wm.KVLink("127.0.0.1:9", True, "", 2.5e9, 1e-4)), 4000.0, 0.02, 6144),
+    wm.KVBlocks("d0", "abc", 3, (1, 2**63 - 1), (7,), lost=True),
     # Every seed the public API takes (uint64) and the engine takes (down to -2**63) crosses.
     *(wm.Generate("r", (1,), dataclasses.replace(SAMPLING, seed=seed)) for seed in (2**64 - 1, 2**63, -(2**63))),
 ])
@@ -61,7 +64,14 @@ def packed(**raw) -> bytes:
             sampling=dataclasses.asdict(SAMPLING) | {"num_speculative_tokens": 2.0}),
      "num_speculative_tokens must be an int"),
     (packed(type="Load", worker_id="d0", role="decode", queued_tokens=2**64 - 1, free_pages=1, running=0,
-            incarnation=""), "queued_tokens must be an int"),
+            incarnation="", kv_links=[], prefill_tokens_per_s=0.0, decode_step_s=0.0, kv_bytes_per_token=0),
+     "queued_tokens must be an int"),
+    (packed(type="Load", worker_id="d0", role="decode", queued_tokens=1, free_pages=1, running=0,
+            incarnation="", kv_links=[{"address": "x", "up": "yes", "detail": "", "bytes_per_s": 0.0,
+                                       "latency_s": 0.0}], prefill_tokens_per_s=0.0, decode_step_s=0.0,
+            kv_bytes_per_token=0), "up must be a bool"),
+    (packed(type="KVBlocks", worker_id="d0", incarnation="a", seq=0, stored=[1.5], removed=[], lost=False),
+     "stored must be an int"),
     (packed(type="Generate", request_id="r", prompt_token_ids=[1], sampling=dataclasses.asdict(SAMPLING) | {"seed": 1.5}),
      r"seed must be an int in \[-2\*\*63, 2\*\*64\)"),  # msgpack cannot carry one outside it
     (b"\x81\x91\x01\x02", "not msgpack"),  # a map whose key is a list
