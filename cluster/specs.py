@@ -152,11 +152,12 @@ def router_spec(config: ClusterConfig, model_dir: str, endpoints: list[WorkerEnd
     takes only events signed under `secret`.
     `security`: the API key and TLS files already loaded from config.router; None = load them here."""
     limits = [pool.engine.max_model_len for _, pool in serving_pools(config) if pool.engine.max_model_len]
+    page_size = serving_pools(config)[-1][1].engine.page_size  # decode's or colocated's (prefill's is equal)
     return RouterSpec(
         model_dir=str(model_dir), model_name=config.model, mode=config.mode, endpoints=tuple(endpoints),
         event_address=f"{router_host}:{config.router.worker_event_port}", cluster_secret=secret, router=config.router,
         kv_timeout_s=config.kv_transfer.timeout_s, lease_s=config.kv_transfer.reservation_lease_s,
-        max_model_len=min(limits) if limits else None, default_timeout_s=default_timeout_s,
+        max_model_len=min(limits) if limits else None, default_timeout_s=default_timeout_s, page_size=page_size,
         security=FrontDoorSecurity.load(config.router) if security is None else security)
 
 

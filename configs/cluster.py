@@ -21,6 +21,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
+class PlacementConfig(_Strict):
+    """How `disaggregation: adaptive` weighs a prompt computed on a decode worker against a prefill
+    worker's (router/placement/decide.py, with the cost model's terms)."""
+
+    stall_weight: float = Field(0.5, ge=0, description="what a second of stall on each request running on the "
+                                "decode worker counts against a second of TTFT")
+    margin: float = Field(0.2, ge=0, lt=1, description="a local placement must cost less than (1 - margin) "
+                          "of the remote one")
+    max_local_step_share: float = Field(0.8, gt=0, le=1, description="a decode worker whose decode step already "
+                                        "takes this share of slo_tpot_ms takes no local prompts")
+
+
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     grpc_port: int = Field(50051, ge=1, le=65535)
@@ -29,6 +41,11 @@ class RouterConfig(_Strict):
     max_queued_prompt_tokens: int = Field(
         1 << 20, ge=1, description="admission bound on the prompt tokens of requests in flight: beyond it, RESOURCE_EXHAUSTED")
     policy: Literal["least_loaded", "prefix_affinity"] = "prefix_affinity"
+    # Where each request's prompt is computed in mode disaggregated (router/placement/): always
+    # on a prefill worker (a decode worker only when no prefill worker can take it), never (on
+    # the decode worker itself), or adaptive (whichever the measured costs say is cheaper).
+    disaggregation: Literal["always", "adaptive", "never"] = "adaptive"
+    placement: PlacementConfig = PlacementConfig()
     worker_event_port: int = Field(52000, ge=1, le=65535, description="workers push events to the router here")
     # Where the internal sockets (worker events, control) bind: never the public `host` when that is
     # 0.0.0.0. None = `host` when it names one interface, else this node's address (loopback for

@@ -1,6 +1,7 @@
 """One attempt at a request (router/journey.py runs one, and another after a lost worker):
-choose workers, send the prompt, relay their token events to the client as responses, and free
-everything the attempt took when it ends, however it ends.
+place the prompt (router/placement/: on a prefill worker with its KV shipped, or on the decode
+worker itself), choose workers, send it, relay their token events to the client as responses,
+and free everything the attempt took when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from router.journey_state import Journey, JourneySettings, Pool, RouterError, Stream, WorkerLost
-from router.policy import LeastLoadedPolicy, WorkerLoad
+from router.placement.decide import Placement
+from router.placement.placer import Placer
+from router.policy import LeastLoadedPolicy
 from router.prefill_gate import PrefillGate
 
 log = logging.getLogger(__name__)
@@ -26,14 +29,16 @@ FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abo
 
 class Attempt:
     """One try at the rest of a request: the prompt plus what the client already has, under its
-    own id, on workers the policy picks now. It owns what it takes (the events subscription, the
-    workers it involved, the prefill gate credit) and `close` frees all of it: Abort to every
-    involved worker unless the stream finished normally. Two paths, colocated and disaggregated,
-    share one relay from token events to client responses."""
+    own id, placed and routed now. It owns what it takes (the events subscription, the workers it
+    involved, the prefill gate credit, its place in a decode worker's local queue) and `close`
+    frees all of it: Abort to every involved worker unless the stream finished normally. Two
+    paths, a whole request on one worker (colocated, or a prompt placed on its decode worker) and
+    the disaggregated one, share one relay from token events to client responses."""
 
     def __init__(self, j: Journey, number: int, stream: Stream, pool: Pool, policy: LeastLoadedPolicy,
-                 settings: JourneySettings, dispatched: list, gate: PrefillGate) -> None:
+                 settings: JourneySettings, dispatched: list, gate: PrefillGate, placer: Placer) -> None:
         self.j, self.stream, self.pool, self.policy, self.settings, self.gate = j, stream, pool, policy, settings, gate
+        self.placer = placer
         self.rid = j.request_id if number == 0 else f"{j.request_id}.retry{number}"
         self.first = number == 0
         self.number = number
@@ -46,6 +51,7 @@ class Attempt:
         self.watched: dict[str, str | None] = {}  # workers whose death (or replacement) ends it -> incarnation
         self.gated: str | None = None  # the prefill worker whose gate credit this attempt holds
         self.kv_route: str | None = None  # where the prefill worker sends this attempt's KV
+        self.queued_local: str | None = None  # the decode worker whose local queue counts this prompt
 
     async def run(self) -> AsyncIterator[pb.GenerateResponse]:
         path = self._colocated() if self.settings.mode == "colocated" else self._disaggregated()
@@ -57,8 +63,20 @@ class Attempt:
             await self.close()
 
     async def _colocated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
-        worker = await _choose(lambda: self.policy.choose_decode(self.prompt, self.pool.loads("colocated")),
-                               self.j, self.wait_s, "no healthy colocated worker")
+        hashes = self.pool.blocks.prompt_hashes(self.prompt)
+
+        def choose() -> str | None:
+            loads = self.pool.loads("colocated")
+            cached = self.pool.blocks.cached_tokens(hashes, [w.worker_id for w in loads])
+            return self.policy.choose_decode(self.prompt, loads, cached)
+
+        worker = await _choose(choose, self.j, self.wait_s, "no healthy colocated worker")
+        self.stream.placement = "colocated"
+        async for response in self._whole(worker):
+            yield response
+
+    async def _whole(self, worker: str) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The whole request on `worker`: a colocated one, or a decode worker the prompt was placed on."""
         await self._dispatch(worker, wm.Generate(self.rid, self.prompt, self.sampling))
         while not self.stream.ended:
             msg = await self._next()
@@ -67,16 +85,60 @@ class Attempt:
             if isinstance(msg, wm.Failed):
                 self._fail(msg)
             elif isinstance(msg, wm.Tokens):
+                self._dequeue_local()  # prefilled: the decode worker's own queue is shorter by it
                 if self.first:
                     self.stream.num_cached = msg.num_cached_prompt_tokens
                 self._count_spec(msg)
                 async for response in self._relay([_tokens(msg)]):
                     yield response
 
-    async def _disaggregated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
-        prefill = await _prefill_slot(self.j, self.prompt, self.pool, self.policy, self.gate, self.wait_s)
+    async def _place(self, hashes: list[int]) -> Placement:
+        """Where this attempt's prompt is computed (router/placement/), waiting while no worker
+        can take it (a retry waits up to retry_wait_s for a healthy one). A remote placement
+        returns holding the prefill gate's credit on its prefill worker; while it waits for that
+        room, it moves to a decode worker as soon as computing it there is the cheaper choice."""
+        give_up = min(time.monotonic() + self.wait_s, self.j.deadline)
+        n = len(self.prompt)
+        while True:
+            placement = self.placer.place(self.pool, n, hashes, self.gate.waiting_tokens)
+            if placement is not None:
+                break
+            if time.monotonic() >= give_up:
+                raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+            await asyncio.sleep(0.1)
+        if not placement.remote:
+            return placement
+        moved: list[Placement] = []
+
+        def reconsider(ahead_tokens: int) -> bool:
+            again = self.placer.place(self.pool, n, hashes, ahead_tokens)
+            if again is not None and not again.remote:
+                moved.append(again)
+                return True
+            return False
+
+        prefill = await _prefill_slot(self.j, self.prompt, self.pool, self.policy, self.gate, self.wait_s,
+                                      hashes, reconsider)
+        if prefill is None:
+            return moved[-1]
         self.gated = prefill
-        decode = await self._reserve(prefill)
+        return replace(placement, prefill=prefill)
+
+    async def _disaggregated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
+        hashes = self.pool.blocks.prompt_hashes(self.prompt)
+        placement = await self._place(hashes)
+        self.placer.record(self.rid, placement)
+        self.stream.placement = placement.kind
+        if not placement.remote:
+            assert placement.decode is not None  # a local placement names its decode worker
+            self.placer.local.add(placement.decode, len(self.prompt))
+            self.queued_local = placement.decode
+            async for response in self._whole(placement.decode):
+                yield response
+            return
+        prefill = self.gated
+        assert prefill is not None  # a remote placement holds its prefill worker's gate credit
+        decode = await self._reserve(prefill, hashes)
         # Which worker may say what: a message naming another sender is not this attempt's.
         senders = {wm.Reserved: decode, wm.Tokens: decode, wm.FirstToken: prefill, wm.TransferEnded: prefill}
         # The decode worker joins the request when its KV lands and may stream before the prefill
@@ -89,13 +151,13 @@ class Attempt:
             if isinstance(msg, wm.Reserved):
                 self._check_kv_address(msg)
                 address = self._route(prefill, decode)
-                self.policy.record(self.prompt, prefill)
                 kv = wm.KVDestination(address, msg.num_pages, msg.num_cached_pages, self.settings.kv_timeout_s,
                                       msg.transfer_token)
                 await self._dispatch(prefill, wm.Prefill(self.rid, self.prompt, self.sampling, kv))
             elif isinstance(msg, wm.Failed):
-                if msg.stage == "transfer" and self.kv_route is not None:
-                    self.pool.suspect(prefill, self.kv_route)  # nothing arrived: the link may be dead
+                if msg.stage == "transfer" and self.kv_route is not None and early is None:
+                    # prefilled, yet the KV never arrived whole: the link may be dead
+                    self.pool.suspect(prefill, self.kv_route)
                 self._fail(msg)
             elif isinstance(msg, wm.TransferEnded):
                 if msg.state == "done":  # the prefill worker holds nothing more of this request
@@ -133,19 +195,20 @@ class Attempt:
             if self.stream.ended:
                 return
 
-    async def _reserve(self, prefill: str) -> str:
-        """Decode pages for the prompt on a decode worker `prefill` has a KV link to, retrying
-        while every such worker is full (backpressure); returns the decode worker that reserved them."""
-        def reachable() -> list[WorkerLoad]:
+    async def _reserve(self, prefill: str, hashes: list[int]) -> str:
+        """Decode pages for the prompt on a decode worker `prefill` has a KV link to (the one
+        caching most of it, within the policy's load cap: fewest pages to move), retrying while
+        every such worker is full (backpressure); returns the decode worker that reserved them."""
+        def choose() -> str | None:
             loads = self.pool.loads("decode")
             usable = [w for w in loads if self.pool.kv_route(prefill, w.worker_id) is not None]
             if any(w.healthy for w in loads) and not any(w.healthy for w in usable):
                 raise WorkerLost(f"no KV link from {prefill} to a healthy decode worker")
-            return usable
+            cached = self.pool.blocks.cached_tokens(hashes, [w.worker_id for w in usable])
+            return self.policy.choose_decode(self.prompt, usable, cached)
 
         while True:
-            worker = await _choose(lambda: self.policy.choose_decode(self.prompt, reachable()),
-                                   self.j, self.wait_s, "no healthy decode worker")
+            worker = await _choose(choose, self.j, self.wait_s, "no healthy decode worker")
             self._use(worker)
             await _send(self.pool, worker, wm.ReserveKV(self.rid, self.prompt, self.settings.lease_s, self.sampling))
             watched = {worker: self.pool.incarnation(worker)}
@@ -227,8 +290,14 @@ class Attempt:
             self.gate.release(self.gated, len(self.prompt))
             self.gated = None
 
+    def _dequeue_local(self) -> None:
+        if self.queued_local is not None:
+            self.placer.local.done(self.queued_local, len(self.prompt))
+            self.queued_local = None
+
     async def close(self) -> None:
         self._release_gate()
+        self._dequeue_local()
         self.pool.unsubscribe(self.rid)
         self.pool.release(self.rid)
         if not self.stream.done or self.stream.stops.stopped:
@@ -282,7 +351,7 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
     return pb.GenerateResponse(
         request_id=j.client_id, text=text, token_ids=new_ids, logprobs=logprobs, finish_reason=FINISH[reason],
         usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=len(stream.generated),
-                       cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0,
+                       cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0, placement=stream.placement,
                        spec_proposed_tokens=sum(p for p, _ in stream.spec_counts.values()),
                        spec_accepted_tokens=sum(a for _, a in stream.spec_counts.values())))
 
@@ -300,19 +369,23 @@ async def _choose(choose: Callable[[], str | None], j: Journey, wait_s: float, n
 
 
 async def _prefill_slot(j: Journey, prompt: tuple[int, ...], pool: Pool, policy: LeastLoadedPolicy,
-                        gate: PrefillGate, wait_s: float) -> str:
-    """A prefill worker with room for `prompt` (gate credit taken), waiting in the router's queue
-    while every healthy one is full; UNAVAILABLE when none is healthy for `wait_s`."""
+                        gate: PrefillGate, wait_s: float, hashes: list[int],
+                        reconsider: Callable[[int], bool]) -> str | None:
+    """A prefill worker with room for `prompt` (gate credit taken; the one caching most of it,
+    within the policy's load cap), waiting in the router's queue while every healthy one is full;
+    None when `reconsider` moved the prompt elsewhere; UNAVAILABLE when none is healthy for `wait_s`."""
     give_up = time.monotonic() + wait_s
 
     def choose(full: set[str]) -> str | None:
         loads = pool.loads("prefill")
         if not any(w.healthy for w in loads) and time.monotonic() >= give_up:
             raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        return policy.choose_prefill(prompt, [w for w in loads if w.worker_id not in full])
+        open_ = [w for w in loads if w.worker_id not in full]
+        return policy.choose_prefill(prompt, open_, pool.blocks.cached_tokens(hashes, [w.worker_id for w in open_]))
 
     return await gate.acquire(len(prompt), choose, j.deadline,
-                              lambda: RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired"))
+                              lambda: RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired"),
+                              reconsider=reconsider)
 
 
 async def _send(pool: Pool, worker: str, message: object) -> None:

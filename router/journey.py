@@ -29,6 +29,8 @@ import grpc
 from proto import pdserve_pb2 as pb
 from router.attempt import Attempt, respond
 from router.journey_state import Journey, JourneySettings, Pool, RouterError, Stream, WorkerLost
+from router.placement.decide import PlacementSettings
+from router.placement.placer import Placer
 from router.policy import LeastLoadedPolicy
 from router.prefill_gate import PrefillGate
 from router.stop_strings import StopStringMatcher
@@ -40,11 +42,14 @@ log = logging.getLogger(__name__)
 async def run_journey(
     j: Journey, pool: Pool, policy: LeastLoadedPolicy, tokenizer: RouterTokenizer, settings: JourneySettings,
     on_dispatch: Callable[[str], None] | None = None, gate: PrefillGate | None = None,
+    placer: Placer | None = None,
 ) -> AsyncIterator[pb.GenerateResponse]:
     """`on_dispatch(worker_id)` is called once, when the prompt is first sent to the worker that
     computes it (after any wait for prefill room and decode pages): the end of the request's
-    router queue time. `gate` is shared by every request of one router (disaggregated mode)."""
+    router queue time. `gate` and `placer` are shared by every request of one router
+    (disaggregated mode); without them, this request gets its own (tests)."""
     gate = gate or PrefillGate(settings.max_prefill_queue_tokens)
+    placer = placer or Placer(PlacementSettings(), gate)
     stream = Stream(IncrementalDetokenizer(tokenizer), StopStringMatcher(list(j.stop)))
     dispatched = [] if on_dispatch is None else [on_dispatch]
     lost: list[str] = []
@@ -53,7 +58,7 @@ async def run_journey(
             yield respond(j, stream, [], reason)  # the lost worker had nothing left to send
             return
         try:
-            tries = Attempt(j, attempt, stream, pool, policy, settings, dispatched, gate).run()
+            tries = Attempt(j, attempt, stream, pool, policy, settings, dispatched, gate, placer).run()
             async with contextlib.aclosing(tries):
                 async for response in tries:
                     yield response

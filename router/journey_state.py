@@ -15,6 +15,8 @@ from typing import Protocol
 import grpc
 
 from proto import worker_messages as wm
+from router.placement.block_index import BlockIndex
+from router.placement.cost_model import LinkCost
 from router.policy import WorkerLoad
 from router.stop_strings import StopStringMatcher
 from router.tokenizer import IncrementalDetokenizer
@@ -49,6 +51,9 @@ class Pool(Protocol):
     def healthy(self, worker_id: str) -> bool: ...
     def loads(self, role: str) -> list[WorkerLoad]: ...
     async def send(self, worker_id: str, message: object) -> None: ...
+    def link_cost(self, prefill_id: str, address: str) -> LinkCost: ...
+    def kv_bytes_per_token(self) -> int: ...
+    blocks: BlockIndex  # which worker caches which pages
 
 
 @dataclass(frozen=True)
@@ -85,5 +90,6 @@ class Stream:
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0
     spec_counts: dict[int, tuple[int, int]] = field(default_factory=dict)  # attempt -> (proposed, accepted)
+    placement: str = ""  # where the last attempt computed the prompt (router/placement/): Usage.placement
     ended: bool = False  # the client got a finish reason
     done: bool = False  # ... and it was not "abort": the workers freed what they held themselves

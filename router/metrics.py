@@ -54,6 +54,9 @@ class RouterMetrics:
         self.rejected_messages = Counter("pdserve_rejected_messages", "Internal messages dropped, by socket and reason",
                                          ["socket", "reason"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
+        self.placements = Counter("pdserve_placement_decisions", "Where each attempt's prompt was computed "
+                                  "(remote, local, suffix) and why (router/placement/decide.py)",
+                                  ["placement", "reason"], registry=r)
         self.queue_time = Histogram("pdserve_router_queue_time_seconds",
                                     "Admission to dispatch (prefill or colocated worker chosen and sent)",
                                     buckets=BUCKETS, registry=r)

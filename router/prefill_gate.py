@@ -24,7 +24,7 @@ class PrefillGate:
             raise ValueError(f"max_tokens_per_worker must be >= 1, got {max_tokens_per_worker}")
         self.max_tokens_per_worker = max_tokens_per_worker
         self._outstanding: dict[str, int] = {}  # prefill worker -> prompt tokens sent, not yet prefilled
-        self._queue: deque[int] = deque()  # waiting tickets, oldest first
+        self._queue: deque[tuple[int, int]] = deque()  # waiting (ticket, prompt tokens), oldest first
         self._tickets = itertools.count()
         self._changed = asyncio.Event()
 
@@ -35,26 +35,36 @@ class PrefillGate:
     def num_waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of every request waiting here (what a newcomer would queue behind)."""
+        return sum(n for _, n in self._queue)
+
     def has_room(self, worker_id: str, num_tokens: int) -> bool:
         """A worker takes a prompt while under budget; an idle one takes any prompt, however long."""
         held = self.outstanding(worker_id)
         return held == 0 or held + num_tokens <= self.max_tokens_per_worker
 
     async def acquire(self, num_tokens: int, choose: Callable[[set[str]], str | None], deadline: float,
-                      on_timeout: Callable[[], Exception], recheck_s: float = 0.05) -> str:
+                      on_timeout: Callable[[], Exception], recheck_s: float = 0.05,
+                      reconsider: Callable[[int], bool] = lambda ahead_tokens: False) -> str | None:
         """Waits for this request's turn and a worker with room; `choose(full)` is the policy's
         pick among the healthy workers not in `full` (None: there is none). Returns the
         worker, whose outstanding count now includes `num_tokens`: `release` it exactly once.
-        Raises `on_timeout()` at `deadline` (time.monotonic())."""
+        `reconsider(ahead_tokens)`, asked at each wake while waiting with the prompt tokens
+        queued before this one: True leaves the queue, and acquire returns None (the request
+        goes elsewhere: router/placement/). Raises `on_timeout()` at `deadline` (time.monotonic())."""
         ticket = next(self._tickets)
-        self._queue.append(ticket)
+        self._queue.append((ticket, num_tokens))
         try:
             while True:
-                if self._queue[0] == ticket:
+                if self._queue[0][0] == ticket:
                     worker = choose({w for w in self._outstanding if not self.has_room(w, num_tokens)})
                     if worker is not None:
                         self._outstanding[worker] = self.outstanding(worker) + num_tokens
                         return worker
+                if reconsider(self._ahead(ticket)):
+                    return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise on_timeout()
@@ -66,8 +76,16 @@ class PrefillGate:
                 except TimeoutError:
                     pass
         finally:
-            self._queue.remove(ticket)
+            self._queue.remove((ticket, num_tokens))
             self._changed.set()
+
+    def _ahead(self, ticket: int) -> int:
+        ahead = 0
+        for t, n in self._queue:
+            if t == ticket:
+                break
+            ahead += n
+        return ahead
 
     def release(self, worker_id: str, num_tokens: int) -> None:
         left = self.outstanding(worker_id) - num_tokens

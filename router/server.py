@@ -27,6 +27,8 @@ from proto import pdserve_pb2_grpc
 from router.journey import run_journey
 from router.journey_state import JourneySettings, RouterError
 from router.metrics import RouterMetrics
+from router.placement.decide import Placement, PlacementSettings
+from router.placement.placer import Placer
 from router.policy import make_policy
 from router.prefill_gate import PrefillGate
 from router.request_ids import LiveIds, new_client_id, new_internal_id
@@ -67,7 +69,15 @@ class Router:
                                         max_attempts=cfg.max_attempts, retry_wait_s=cfg.retry_wait_s,
                                         max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
         self.prefill_gate = PrefillGate(cfg.max_prefill_queue_tokens)
+        placement = cfg.placement
+        self.placer = Placer(PlacementSettings(cfg.disaggregation, placement.stall_weight, placement.margin,
+                                               None if cfg.slo_tpot_ms is None else cfg.slo_tpot_ms / 1000,
+                                               placement.max_local_step_share),
+                             self.prefill_gate, self._placed)
         self.roles = ["colocated"] if spec.mode == "colocated" else ["prefill", "decode"]
+        # What can serve a request: a decode worker can compute a prompt itself when no prefill
+        # worker can (router/placement/), so a disaggregated router serves while one is healthy.
+        self.serving_roles = ["colocated"] if spec.mode == "colocated" else ["decode"]
         self.default_timeout_s = spec.default_timeout_s
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
         self.num_in_flight = 0
@@ -84,7 +94,8 @@ class Router:
         """Binds and starts serving; returns the bound gRPC port (port 0 picks one, for tests)."""
         rejected = self.metrics.rejected_messages
         self.pool = WorkerPool(self.endpoints, self.event_address, self.spec.cluster_secret, self.heartbeat_timeout_s,
-                               on_reject=lambda reason: rejected.labels("worker_events", reason).inc())
+                               on_reject=lambda reason: rejected.labels("worker_events", reason).inc(),
+                               page_size=self.spec.page_size)
         self.pool.start()
         self.metrics.watch_kv_links(self.pool.link_states)
         security = self.spec.security
@@ -124,7 +135,18 @@ class Router:
             await self.pool.close()
 
     def is_ready(self) -> bool:
+        """Whether requests can be served now (gRPC health, HTTP /health)."""
+        return self.pool is not None and self.pool.all_healthy(self.serving_roles)
+
+    def is_up(self) -> bool:
+        """Whether every role the mode runs has a live worker (what start-up waits for)."""
         return self.pool is not None and self.pool.all_healthy(self.roles)
+
+    def _placed(self, request_id: str, placement: Placement) -> None:
+        self.metrics.placements.labels(placement.kind, placement.reason).inc()
+        self.log.event("placed", request_id, placement=placement.kind, reason=placement.reason,
+                       prefill=placement.prefill, decode=placement.decode,
+                       predicted_ttft_s=None if placement.predicted_ttft_s is None else round(placement.predicted_ttft_s, 6))
 
     # -- membership (pdserve scale / replacement; called on the router's event loop) -------------
     def add_worker(self, endpoint: WorkerEndpoint) -> None:
@@ -219,7 +241,7 @@ class Router:
         finished = False
         try:
             async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings,
-                                              on_dispatch=dispatched, gate=self.prefill_gate):
+                                              on_dispatch=dispatched, gate=self.prefill_gate, placer=self.placer):
                 now = time.monotonic()
                 if response.token_ids:
                     if ttft is None:

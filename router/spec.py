@@ -34,6 +34,7 @@ class RouterSpec:
     # of the pools'); None = the model's own context. Prompts at or over it get INVALID_ARGUMENT.
     max_model_len: int | None = None
     default_timeout_s: float = 600.0  # a request without its own timeout_s ends after this
+    page_size: int = 16  # the engines' KV page size: the KV block index hashes prompts by it
     # The API key and TLS files `router` asks for, resolved where the spec is built
     # (FrontDoorSecurity.load): the router never reads the YAML's environment variable itself.
     security: FrontDoorSecurity = field(default_factory=FrontDoorSecurity)

@@ -26,6 +26,8 @@ import zmq.asyncio
 
 from proto import worker_messages as wm
 from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifier
+from router.placement.block_index import BlockIndex
+from router.placement.cost_model import LinkCost
 from router.policy import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -79,9 +81,12 @@ class _Worker:
 
 class WorkerPool:
     def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, secret: ClusterSecret,
-                 heartbeat_timeout_s: float = 3.0, on_reject: Callable[[str], None] = lambda reason: None) -> None:
+                 heartbeat_timeout_s: float = 3.0, on_reject: Callable[[str], None] = lambda reason: None,
+                 page_size: int = 16) -> None:
         """`secret`: the cluster's, signing every command and checking every event;
-        `on_reject(reason)`: a dropped event was counted (the router's metrics)."""
+        `on_reject(reason)`: a dropped event was counted (the router's metrics); `page_size`:
+        the engines' KV page size, which the KV block index hashes prompts by."""
+        self.blocks = BlockIndex(page_size)  # which worker caches which pages (KVBlocks events)
         self._ctx = zmq.asyncio.Context.instance()
         self._secret = secret
         self._verifier = FrameVerifier(secret, event_address)
@@ -133,6 +138,7 @@ class WorkerPool:
 
     def remove(self, worker_id: str) -> None:
         self._workers.pop(worker_id).commands.close()
+        self.blocks.forget(worker_id)
 
     def involve(self, request_id: str, worker_id: str) -> None:
         if worker_id in self._workers:
@@ -229,6 +235,18 @@ class WorkerPool:
         return [(p, d, self.link_view(p, d)["up"]) for p, x in sorted(self._workers.items())
                 if x.endpoint.role == "prefill" for d in decodes]
 
+    def link_cost(self, prefill_id: str, address: str) -> LinkCost:
+        """The link's latency and bandwidth as `prefill_id` measured them (0s: not yet)."""
+        worker = self._workers.get(prefill_id)
+        for link in worker.load.kv_links if worker is not None and worker.load is not None else ():
+            if link.address == address:
+                return LinkCost(link.latency_s, link.bytes_per_s)
+        return LinkCost()
+
+    def kv_bytes_per_token(self) -> int:
+        """One token's KV on the wire, as the workers report it (0 before any heartbeat)."""
+        return max((w.load.kv_bytes_per_token for w in self._workers.values() if w.load is not None), default=0)
+
     def suspect(self, prefill_id: str, address: str) -> None:
         """A transfer from `prefill_id` to `address` failed: avoid that link until a heartbeat
         built after the failure tells its state (a retry must not take it again at once)."""
@@ -249,7 +267,8 @@ class WorkerPool:
                 continue
             load = w.load
             out.append(WorkerLoad(wid, self.healthy(wid), load.queued_tokens if load else 0,
-                                  load.free_pages if load else 0, load.running if load else 0, len(w.requests)))
+                                  load.free_pages if load else 0, load.running if load else 0, len(w.requests),
+                                  load.prefill_tokens_per_s if load else 0.0, load.decode_step_s if load else 0.0))
         return out
 
     def all_healthy(self, roles: list[str]) -> bool:
@@ -305,6 +324,10 @@ class WorkerPool:
             worker = self._workers.get(msg.worker_id)
             if worker is not None:  # a worker not (or no longer) in the pool is not routed to
                 worker.load, worker.last_seen = msg, time.monotonic()
+            return
+        if isinstance(msg, wm.KVBlocks):
+            if msg.worker_id in self._workers:
+                self.blocks.apply(msg)
             return
         queue = self._waiters.get(msg.request_id)
         if queue is not None:

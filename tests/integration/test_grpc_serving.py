@@ -312,7 +312,10 @@ def test_a_burst_queued_for_prefill_outlives_no_lease(tiny_dir, hf_tiny):
             return list(pool.map(one, prompts))
 
     for budget, all_ok in ((10**9, False), (1024, True)):
-        c = LocalCluster(tiny_dir, "disaggregated", ENGINE, lease_s=0.5, max_prefill_queue_tokens=budget)
+        # always: every prompt through the prefill worker (adaptive would compute the queued ones
+        # on the decode worker instead, which is not what this checks)
+        c = LocalCluster(tiny_dir, "disaggregated", ENGINE, lease_s=0.5, max_prefill_queue_tokens=budget,
+                         disaggregation="always", max_attempts=1 if not all_ok else 3)
         try:
             outcomes = burst(c)
             if all_ok:

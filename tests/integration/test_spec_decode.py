@@ -17,8 +17,8 @@ import pytest
 from configs import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.metrics.step_stats import StepStats
-from engine.prefix_cache import hash_full_pages
 from engine.spec.proposer import BaseProposer, Proposal
+from proto.block_hash import hash_full_pages
 from tests.helpers import assert_no_page_leak, hf_greedy
 
 LOGPROB_ATOL = 2e-3

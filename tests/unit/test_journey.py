@@ -17,6 +17,10 @@ from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
 from router.journey import run_journey
 from router.journey_state import Journey, JourneySettings, RouterError
+from router.placement.block_index import BlockIndex
+from router.placement.cost_model import LinkCost
+from router.placement.decide import Placement, PlacementSettings
+from router.placement.placer import Placer
 from router.policy import WorkerLoad, make_policy
 from router.prefill_gate import PrefillGate
 from router.tokenizer import RouterTokenizer
@@ -41,6 +45,7 @@ class FakePool:
         self.down_links: set[tuple[str, str]] = set()  # (prefill, decode) pairs whose KV link is down
         self.fallbacks: dict[str, str] = {}  # decode -> its fallback KV address (torch_dist's ZMQ)
         self.suspected: list[tuple[str, str]] = []  # (prefill, address) of transfers that failed
+        self.blocks = BlockIndex(page_size=16)
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         self._queues[request_id] = asyncio.Queue()
@@ -72,6 +77,12 @@ class FakePool:
 
     def suspect(self, prefill_id: str, address: str) -> None:
         self.suspected.append((prefill_id, address))
+
+    def link_cost(self, prefill_id: str, address: str) -> LinkCost:
+        return LinkCost()
+
+    def kv_bytes_per_token(self) -> int:
+        return 1024
 
     def reject(self, reason: str, detail: str) -> None:
         self.rejected.append((reason, detail))
@@ -112,6 +123,14 @@ def happy_workers(worker_id: str, cmd: object) -> list[object]:
     return []
 
 
+def whole_on_decode(worker_id: str, cmd: object) -> list[object]:
+    """A decode worker serving a prompt placed on it (Generate): tokens 10, 11, 12, 13."""
+    if isinstance(cmd, wm.Generate):
+        return [tokens(cmd.request_id, worker_id, (10,)),
+                tokens(cmd.request_id, worker_id, tuple(range(11, 10 + cmd.sampling.max_tokens)), finished=True)]
+    return happy_workers(worker_id, cmd)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny_dir) -> RouterTokenizer:
     return RouterTokenizer(tiny_dir)
@@ -124,10 +143,12 @@ def journey(request_id: str = "r", deadline_s: float = 5.0, stop: tuple[str, ...
 
 
 def run(pool: FakePool, tokenizer, settings: JourneySettings = SETTINGS, j: Journey | None = None,
-        policy: str = "least_loaded") -> list[pb.GenerateResponse]:
+        policy: str = "least_loaded", placer=None) -> list[pb.GenerateResponse]:
+    """`placer(gate)`: the router's Placer for this run (default: adaptive, nothing counted)."""
     async def collect():
+        gate = PrefillGate(settings.max_prefill_queue_tokens)
         return [r async for r in run_journey(j or journey(), pool, make_policy(policy), tokenizer, settings,
-                                             gate=PrefillGate(settings.max_prefill_queue_tokens))]
+                                             gate=gate, placer=placer(gate) if placer else None)]
 
     return asyncio.run(asyncio.wait_for(collect(), 10))
 
@@ -352,12 +373,14 @@ def test_a_decode_worker_no_prefill_worker_can_reach_is_not_reserved(tokenizer):
     pool.down_links.add(("p0", "d0"))  # and no fallback
     assert ids(run(pool, tokenizer)) == [10, 11, 12, 13]
     assert [w for w, _ in pool.commands(wm.ReserveKV)] == ["d1"]
-    pool = FakePool({"p0": "prefill", "d0": "decode"}, happy_workers)
+    # No decode worker reachable from the only prefill worker: the prompt is computed on the decode worker.
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, whole_on_decode)
     pool.down_links.add(("p0", "d0"))
-    with pytest.raises(RouterError) as err:
-        run(pool, tokenizer)
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "no KV link from p0 to a healthy decode" in str(err.value)
-    assert not pool.commands(wm.ReserveKV)
+    placed: list[Placement] = []
+    assert ids(run(pool, tokenizer, placer=lambda gate: Placer(PlacementSettings(), gate,
+                                                               lambda rid, p: placed.append(p)))) == [10, 11, 12, 13]
+    assert not pool.commands(wm.ReserveKV) and [w for w, _ in pool.commands(wm.Generate)] == ["d0"]
+    assert [(p.kind, p.reason, p.decode) for p in placed] == [("local", "kv_link_down", "d0")]
 
 
 def test_kv_the_prefill_worker_could_not_send_is_retried_at_once_marking_the_link(tokenizer):

@@ -25,24 +25,26 @@ def test_ties_break_by_id_for_determinism():
 
 
 def test_prefix_affinity_follows_the_cached_prefix_within_the_load_cap():
-    policy = PrefixAffinityPolicy(block_size=16, max_extra_tokens=1000)
-    policy.record(PROMPT, "p1")
+    """`cached`: per worker, the prompt tokens its prefix cache holds (the KV block index)."""
+    policy = PrefixAffinityPolicy(max_extra_tokens=1000, max_extra_requests=2)
     loads = [WorkerLoad("p0", queued_tokens=0), WorkerLoad("p1", queued_tokens=800)]
-    assert policy.choose_prefill(PROMPT[:64] + [7, 7, 7], loads) == "p1"  # shares 4 blocks
-    assert policy.choose_prefill([5] * 64, loads) == "p0"  # shares nothing: least loaded
+    assert policy.choose_prefill(PROMPT, loads, {"p0": 0, "p1": 64}) == "p1"
+    assert policy.choose_prefill(PROMPT, loads, {"p0": 0, "p1": 0}) == "p0"  # nothing cached: least loaded
+    assert policy.choose_prefill(PROMPT, loads) == "p0"
     busy = [WorkerLoad("p0", queued_tokens=0), WorkerLoad("p1", queued_tokens=5000)]
-    assert policy.choose_prefill(PROMPT, busy) == "p0"  # affinity yields to a big imbalance
-    assert policy.choose_prefill(PROMPT, [WorkerLoad("p0"), WorkerLoad("p1", healthy=False)]) == "p0"
+    assert policy.choose_prefill(PROMPT, busy, {"p1": 96}) == "p0"  # affinity yields to a big imbalance
+    assert policy.choose_prefill(PROMPT, [WorkerLoad("p0"), WorkerLoad("p1", healthy=False)], {"p1": 96}) == "p0"
 
 
-def test_longest_prefix_wins_and_memory_is_bounded():
-    policy = PrefixAffinityPolicy(block_size=4, capacity=8)
-    policy.record(PROMPT[:8], "p0")
-    policy.record(PROMPT[:16], "p1")
-    assert policy.choose_prefill(PROMPT[:16], [WorkerLoad("p0"), WorkerLoad("p1")]) == "p1"
-    for i in range(10):
-        policy.record([1000 + i] * 4, "p0")
-    assert len(policy._owner) == 8
+def test_decode_affinity_takes_the_longest_cached_prefix_within_its_request_cap():
+    policy = PrefixAffinityPolicy(max_extra_requests=2)
+    loads = [WorkerLoad("d0", in_flight=0, free_pages=100), WorkerLoad("d1", in_flight=2, free_pages=100),
+             WorkerLoad("d2", in_flight=1, free_pages=100)]
+    assert policy.choose_decode(PROMPT, loads, {"d1": 32, "d2": 16}) == "d1"  # longest prefix, within 2 of d0
+    assert policy.choose_decode(PROMPT, loads, {"d1": 32, "d2": 32}) == "d2"  # a tie goes to the less busy
+    assert policy.choose_decode(PROMPT, loads, {}) == "d0"
+    loads[1] = WorkerLoad("d1", in_flight=3, free_pages=100)
+    assert policy.choose_decode(PROMPT, loads, {"d1": 64}) == "d0"  # 3 more in flight: over the cap
 
 
 def test_make_policy_rejects_unknown_names():
