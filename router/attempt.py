@@ -127,7 +127,7 @@ class Attempt:
     async def _disaggregated(self) -> AsyncGenerator[pb.GenerateResponse, None]:
         hashes = self.pool.blocks.prompt_hashes(self.prompt)
         placement = await self._place(hashes)
-        self.placer.record(self.rid, placement)
+        self.placer.record(self.rid, self.j.client_id, placement)
         self.stream.placement = placement.kind
         if not placement.remote:
             assert placement.decode is not None  # a local placement names its decode worker

@@ -142,10 +142,10 @@ class Router:
         """Whether every role the mode runs has a live worker (what start-up waits for)."""
         return self.pool is not None and self.pool.all_healthy(self.roles)
 
-    def _placed(self, request_id: str, placement: Placement) -> None:
+    def _placed(self, request_id: str, client_id: str, placement: Placement) -> None:
         self.metrics.placements.labels(placement.kind, placement.reason).inc()
-        self.log.event("placed", request_id, placement=placement.kind, reason=placement.reason,
-                       prefill=placement.prefill, decode=placement.decode,
+        self.log.event("placed", request_id, client_request_id=client_id or None, placement=placement.kind,
+                       reason=placement.reason, prefill=placement.prefill, decode=placement.decode,
                        predicted_ttft_s=None if placement.predicted_ttft_s is None else round(placement.predicted_ttft_s, 6))
 
     # -- membership (pdserve scale / replacement; called on the router's event loop) -------------

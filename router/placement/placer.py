@@ -18,16 +18,16 @@ from router.prefill_gate import PrefillGate
 
 class Placer:
     def __init__(self, settings: PlacementSettings, gate: PrefillGate,
-                 on_decision: Callable[[str, Placement], None] = lambda request_id, placement: None) -> None:
-        """`on_decision(request_id, placement)`: each attempt's final placement (the router
-        counts it in pdserve_placement_decisions_total and logs it with the request)."""
+                 on_decision: Callable[[str, str, Placement], None] = lambda rid, client_id, placement: None) -> None:
+        """`on_decision(request_id, client_id, placement)`: each attempt's final placement (the
+        router counts it in pdserve_placement_decisions_total and logs it with the request's ids)."""
         self.settings = settings
         self.gate = gate
         self.on_decision = on_decision
         self.local = LocalQueue()  # prompt tokens placed on each decode worker, first token not back yet
 
-    def record(self, request_id: str, placement: Placement) -> None:
-        self.on_decision(request_id, placement)
+    def record(self, request_id: str, client_id: str, placement: Placement) -> None:
+        self.on_decision(request_id, client_id, placement)
 
     def place(self, pool: Pool, num_tokens: int, hashes: Sequence[int], ahead_tokens: int) -> Placement | None:
         """Where a prompt of `num_tokens` goes now; `hashes`: its pages as the KV block index

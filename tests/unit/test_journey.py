@@ -378,7 +378,7 @@ def test_a_decode_worker_no_prefill_worker_can_reach_is_not_reserved(tokenizer):
     pool.down_links.add(("p0", "d0"))
     placed: list[Placement] = []
     assert ids(run(pool, tokenizer, placer=lambda gate: Placer(PlacementSettings(), gate,
-                                                               lambda rid, p: placed.append(p)))) == [10, 11, 12, 13]
+                                                               lambda rid, client_id, p: placed.append(p)))) == [10, 11, 12, 13]
     assert not pool.commands(wm.ReserveKV) and [w for w, _ in pool.commands(wm.Generate)] == ["d0"]
     assert [(p.kind, p.reason, p.decode) for p in placed] == [("local", "kv_link_down", "d0")]
 
