@@ -1,13 +1,15 @@
 """Goodput of disaggregated layouts against colocated serving, on one request stream.
 
-Runs `pdserve bench compare` (cluster/bench_compare.py) over four builtin:small clusters that
-share the machine's two cores: colocated (one engine), 1P1D, 1P2D and 2P1D, each brought up,
+Runs `pdserve bench compare` (cluster/bench_compare.py) over five builtin:small clusters that
+share the machine's two cores: colocated (one engine), 1P1D, 1P2D and 2P1D (every prompt on a
+prefill worker: router.disaggregation always) and adaptive (1P1D placing each prompt where the
+measured costs say, router/placement/), each brought up,
 driven with the same seeded mixed workload at each rate, and brought down before the next.
 Prints, per layout and rate, goodput (requests/s meeting both the TTFT and the TPOT target)
 and SLO attainment with ratios against colocated, and the highest rate that keeps >= 90%
 attainment; writes the JSON/CSV results, plots and compare.md to --out.
 
-    python benchmarks/pd_goodput.py                       # the defaults below, ~15 minutes
+    python benchmarks/pd_goodput.py                       # the defaults below, ~25 minutes
     python benchmarks/pd_goodput.py --rates 0.5,1 --num-prompts 24 --out /tmp/goodput
 """
 
@@ -24,12 +26,12 @@ from loadgen.workloads import LengthDist, WorkloadSpec
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bench"
 LAYOUTS = {"colocated": "colocated-small.yaml", "1P1D": "disagg-small.yaml", "1P2D": "disagg-1p2d-small.yaml",
-           "2P1D": "disagg-2p1d-small.yaml"}
+           "2P1D": "disagg-2p1d-small.yaml", "adaptive": "disagg-adaptive-small.yaml"}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="0.5,1,2", help="requests/s, one run each (default 0.5,1,2)")
+    parser.add_argument("--rates", default="0.5,1,2,3", help="requests/s, one run each (default 0.5,1,2,3)")
     parser.add_argument("--num-prompts", type=int, default=48, help="requests per rate (default 48)")
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT target, seconds (default 2)")
     parser.add_argument("--slo-tpot", type=float, default=0.15, help="TPOT target, seconds (default 0.15)")
@@ -60,7 +62,29 @@ def main() -> int:
         best = max_rate_at_attainment([run.rate for run in result.runs],
                                       [run.summary(slo).attainment for run in result.runs], 0.9)
         print(f"| {name} | {' | '.join(cells)} | {'-' if math.isnan(best) else f'{best:.2f} req/s'} |")
+    print("\nTTFT and TPOT p50/p90/p99 (ms), failed requests:")
+    print("| layout | rate | TTFT p50/p90/p99 | TPOT p50/p90/p99 | failed |")
+    print("|---|---|---|---|---|")
+    for name, result in zip(layouts, results):
+        for run in result.runs:
+            s = run.summary(slo)
+            ttft, tpot = ("/".join(f"{1000 * d[p]:.0f}" for p in ("p50", "p90", "p99")) for d in (s.ttft, s.tpot))
+            print(f"| {name} | {run.rate:g} | {ttft} | {tpot} | {s.num_failed} |")
+    if "adaptive" in layouts and len(layouts) > 1:
+        print_adaptive_against_best(layouts, results, slo)
     return 0
+
+
+def print_adaptive_against_best(layouts: list[str], results: list, slo: SLO) -> None:
+    """The issue's bar: adaptive's goodput against the best fixed layout's at each rate."""
+    adaptive = results[layouts.index("adaptive")]
+    print("\nadaptive against the best fixed layout at each rate:")
+    for i, run in enumerate(adaptive.runs):
+        others = [(r.runs[i].summary(slo).goodput, n) for n, r in zip(layouts, results) if n != "adaptive"]
+        best, name = max(others)
+        mine = run.summary(slo).goodput
+        print(f"  {run.rate:g} req/s: adaptive {mine:.2f}, best fixed {name} {best:.2f} -> "
+              f"{mine / best if best else math.nan:.2f}x")
 
 
 if __name__ == "__main__":
