@@ -55,6 +55,10 @@ class RouterConfig(_Strict):
     slo_ttft_ms: float | None = Field(None, gt=0, description="time-to-first-token target; None = no target")
     slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token target; None = no target")
     slo_window_s: float = Field(60.0, gt=0, description="SLO attainment gauge covers requests finished this recently")
+    # SLO-aware admission (router/slo_admission.py): refuse at once (RESOURCE_EXHAUSTED / HTTP 429
+    # with Retry-After) a request whose predicted TTFT is past this many times slo_ttft_ms.
+    slo_admission_factor: float | None = Field(None, ge=1, description="refuse requests predicted past this "
+                                               "multiple of slo_ttft_ms; None = admit every request")
     # Failures: a worker silent this long is dead to the router; a request it held is retried.
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="no heartbeat this long = the worker is dead")
     max_attempts: int = Field(3, ge=1, description="tries per request when workers die under it (1 = no retry)")
@@ -96,6 +100,12 @@ class RouterConfig(_Strict):
     @property
     def wants_tls(self) -> bool:
         return self.tls_cert_file is not None
+
+    @model_validator(mode="after")
+    def _check_slo_admission(self) -> RouterConfig:
+        if self.slo_admission_factor is not None and self.slo_ttft_ms is None:
+            raise ValueError("slo_admission_factor needs slo_ttft_ms: the TTFT target it is a multiple of")
+        return self
 
     @model_validator(mode="after")
     def _check_security(self) -> RouterConfig:

@@ -53,6 +53,8 @@ class RouterMetrics:
                                             "Speculative tokens accepted for finished requests", registry=r)
         self.rejected_messages = Counter("pdserve_rejected_messages", "Internal messages dropped, by socket and reason",
                                          ["socket", "reason"], registry=r)
+        self.slo_refused = Counter("pdserve_slo_refused", "Requests refused at admission: predicted TTFT past "
+                                   "router.slo_admission_factor x slo_ttft_ms (router/slo_admission.py)", registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.placements = Counter("pdserve_placement_decisions", "Where each attempt's prompt was computed "
                                   "(remote, local, suffix) and why (router/placement/decide.py)",

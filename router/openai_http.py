@@ -32,6 +32,7 @@ from router.openai_request import BadRequest, max_body_bytes, read_body, to_grpc
 from router.request_ids import new_client_id
 from router.security import OPEN_HTTP_PATHS
 from router.server import Router
+from router.slo_admission import SloRefused
 from router.validation import check_request_id
 
 # Used when the model ships no chat template: one line per turn, then the assistant's cue.
@@ -54,6 +55,16 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
                    code: str | None = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
                              status=status)
+
+
+def router_error_response(exc: RouterError) -> web.Response:
+    """The router's error as OpenAI's error body and HTTP status; a refusal that says when to
+    come back (router/slo_admission.py) sets Retry-After."""
+    status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
+    response = error_response(status, str(exc), kind)
+    if isinstance(exc, SloRefused):
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
 
 
 class OpenAIServer:
@@ -150,8 +161,7 @@ class OpenAIServer:
         try:
             first = await anext(responses)  # errors before anything was sent become HTTP errors
         except RouterError as exc:
-            status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
-            return error_response(status, str(exc), kind)
+            return router_error_response(exc)
         if not stream:
             text, ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs), first
             try:
@@ -161,8 +171,7 @@ class OpenAIServer:
                     logprobs += r.logprobs
                     last = r
             except RouterError as exc:  # after the first token: still an OpenAI-shaped error
-                status, kind = HTTP_STATUS.get(exc.code, (500, "internal_error"))
-                return error_response(status, str(exc), kind)
+                return router_error_response(exc)
             return web.json_response(self._body(rid, created, chat, "".join(text), FINISH.get(last.finish_reason),
                                                 last.usage, final=True, stream=False,
                                                 logprobs=self._logprobs(chat, ids, logprobs)))
