@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from configs.logging_setup import EventLog
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
+from router.in_flight import InFlight
 from router.journey import run_journey
 from router.journey_state import JourneySettings, RouterError
 from router.metrics import RouterMetrics
@@ -34,6 +35,7 @@ from router.prefill_gate import PrefillGate
 from router.request_ids import LiveIds, new_client_id, new_internal_id
 from router.security import ApiKeyInterceptor
 from router.slo import SloTargets
+from router.slo_admission import SloAdmission, SloRefused, colocated_ttft_s
 from router.spec import RouterSpec
 from router.tokenizer import RouterTokenizer
 from router.validation import RequestLimits, check_request_id, deserialize_request, validate
@@ -62,9 +64,8 @@ class Router:
         self.endpoints = list(spec.endpoints)
         self.event_address = spec.event_address
         self.policy = make_policy(cfg.policy)
-        self.max_queued_requests = cfg.max_queued_requests
-        self.max_queued_prompt_tokens = cfg.max_queued_prompt_tokens
-        self.prompt_tokens_in_flight = 0
+        self.slo_admission = (None if cfg.slo_admission_factor is None or cfg.slo_ttft_ms is None
+                              else SloAdmission(cfg.slo_ttft_ms / 1000, cfg.slo_admission_factor))
         self.settings = JourneySettings(mode=spec.mode, kv_timeout_s=spec.kv_timeout_s, lease_s=spec.lease_s,
                                         max_attempts=cfg.max_attempts, retry_wait_s=cfg.retry_wait_s,
                                         max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
@@ -80,10 +81,10 @@ class Router:
         self.serving_roles = ["colocated"] if spec.mode == "colocated" else ["decode"]
         self.default_timeout_s = spec.default_timeout_s
         self.heartbeat_timeout_s = cfg.heartbeat_timeout_s
-        self.num_in_flight = 0
         self.limits = RequestLimits.of(cfg)
         self.live_ids = LiveIds()  # client ids in flight -> internal ids: a second live one is ALREADY_EXISTS
         self.metrics = RouterMetrics(SloTargets.from_ms(cfg.slo_ttft_ms, cfg.slo_tpot_ms), cfg.slo_window_s)
+        self.in_flight = InFlight(cfg.max_queued_requests, cfg.max_queued_prompt_tokens, self.metrics.in_flight)
         self.log = EventLog("router")
         self.pool: WorkerPool | None = None
         self.server: grpc.aio.Server | None = None
@@ -175,7 +176,7 @@ class Router:
         return left
 
     def view(self) -> dict:
-        return {"ready": self.is_ready(), "in_flight": self.num_in_flight, "workers": self.pool.view(),
+        return {"ready": self.is_ready(), "in_flight": self.in_flight.requests, "workers": self.pool.view(),
                 "recent_p90": self.metrics.slo_window.latency(0.9)}
 
     async def _watch_health(self) -> None:
@@ -212,23 +213,19 @@ class Router:
                                                       self.default_timeout_s, None, self.limits),
                               request_id=rid, client_id=client_id)
             # Checked after the await, with nothing between them and the admission below.
-            if self.num_in_flight >= self.max_queued_requests:
-                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.num_in_flight} requests in flight: "
-                                  f"over the bound of {self.max_queued_requests}; retry in a moment")
-            if self.prompt_tokens_in_flight + len(journey.prompt) > self.max_queued_prompt_tokens:
-                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"{self.prompt_tokens_in_flight} prompt tokens in flight: this prompt's "
-                                  f"{len(journey.prompt)} would pass router.max_queued_prompt_tokens "
-                                  f"({self.max_queued_prompt_tokens}); retry in a moment")
+            self.in_flight.check(len(journey.prompt))
+            if self.slo_admission is not None:
+                self.slo_admission.check(self._predicted_ttft_s(journey.prompt))
             self.live_ids.admit(journey.client_id, rid)  # ALREADY_EXISTS while another is live under it
+        except SloRefused as exc:
+            self.metrics.slo_refused.inc()
+            self._failed(rid, ids, exc.code, str(exc), admitted=False)
+            raise
         except RouterError as exc:
             self._failed(rid, ids, exc.code, str(exc), admitted=False)
             raise
-        self.prompt_tokens_in_flight += len(journey.prompt)
         if time_remaining_s is not None:  # the client's own deadline, if sooner
             journey = replace(journey, deadline=min(journey.deadline, time.monotonic() + time_remaining_s))
-        self.num_in_flight += 1
-        self.metrics.in_flight.inc()
         start = last = time.monotonic()
         self.log.event("admitted", rid, **ids, prompt_tokens=len(journey.prompt), max_tokens=journey.sampling.max_tokens)
 
@@ -239,6 +236,7 @@ class Router:
         ttft = None
         num_tokens = 0
         finished = False
+        admitted = self.in_flight.admit(len(journey.prompt))  # ended in the finally below, whatever happens
         try:
             async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings,
                                               on_dispatch=dispatched, gate=self.prefill_gate, placer=self.placer):
@@ -246,6 +244,7 @@ class Router:
                 if response.token_ids:
                     if ttft is None:
                         ttft = now - start
+                        admitted.first_token()
                         self.log.event("first_token", rid, **ids, ttft_s=round(ttft, 6))
                     else:
                         self.metrics.itl.observe(now - last)
@@ -276,10 +275,19 @@ class Router:
             raise
         finally:
             self.live_ids.end(journey.client_id, rid)
-            self.prompt_tokens_in_flight -= len(journey.prompt)
-            self.num_in_flight -= 1
-            self.metrics.in_flight.dec()
+            admitted.end()
 
+
+    def _predicted_ttft_s(self, prompt: tuple[int, ...]) -> float | None:
+        """What this prompt's TTFT would be if admitted now (router/slo_admission.py); None:
+        nothing measured to predict with."""
+        assert self.pool is not None
+        if self.spec.mode == "colocated":
+            rates = [w.prefill_tokens_per_s for w in self.pool.loads("colocated") if w.healthy]
+            return colocated_ttft_s(self.in_flight.unprefilled_tokens, len(prompt), rates)
+        placement = self.placer.place(self.pool, len(prompt), self.pool.blocks.prompt_hashes(prompt),
+                                      self.prefill_gate.waiting_tokens)
+        return None if placement is None else placement.predicted_ttft_s
 
     def refused(self, door: str, reason: str) -> None:
         """A call without the right API key, refused before any work (counted; never the key logged)."""
@@ -291,6 +299,14 @@ class Router:
         self.log.event("error", request_id, level=logging.WARNING, **ids, status=code.name, message=message)
 
 
+async def _abort(context, exc: RouterError) -> None:
+    """Ends the call with the error's status; a refusal that says when to come back also sets
+    the `retry-after` trailer (seconds), as HTTP's Retry-After."""
+    if isinstance(exc, SloRefused):
+        context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+    await context.abort(exc.code, str(exc))
+
+
 class _GenerationService(pdserve_pb2_grpc.GenerationServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -300,7 +316,7 @@ class _GenerationService(pdserve_pb2_grpc.GenerationServicer):
             async for response in self.router.generate(request, context):
                 yield response
         except RouterError as exc:
-            await context.abort(exc.code, str(exc))
+            await _abort(context, exc)
 
     async def GenerateUnary(self, request, context):
         text, ids, logprobs, last = [], [], [], None
@@ -311,6 +327,6 @@ class _GenerationService(pdserve_pb2_grpc.GenerationServicer):
                 logprobs += response.logprobs
                 last = response
         except RouterError as exc:
-            await context.abort(exc.code, str(exc))
+            await _abort(context, exc)
         return pb.GenerateResponse(request_id=last.request_id, text="".join(text), token_ids=ids, logprobs=logprobs,
                                    finish_reason=last.finish_reason, usage=last.usage)

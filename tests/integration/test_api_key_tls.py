@@ -112,7 +112,7 @@ def test_grpc_without_the_right_key_is_unauthenticated(secured, metadata, messag
         list(result) if method == "Generate" else None
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert info.value.details() == message
-    assert refusals(secured) == before + 1 and secured.cluster.router.num_in_flight == 0
+    assert refusals(secured) == before + 1 and secured.cluster.router.in_flight.requests == 0
 
 
 def test_grpc_key_is_checked_before_the_request_is_read(secured):

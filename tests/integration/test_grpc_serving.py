@@ -185,14 +185,14 @@ def test_cancel_of_a_unary_call_mid_generation_frees_pages(cluster):
     steps_before = cluster.hosts[-1].engine.num_steps
     call = cluster.stub.GenerateUnary.future(request([0] + list(range(600, 700)), max_tokens=1500), timeout=60)
     deadline = time.monotonic() + 10
-    while cluster.router.num_in_flight == 0 or cluster.hosts[-1].engine.num_steps == steps_before:
+    while cluster.router.in_flight.requests == 0 or cluster.hosts[-1].engine.num_steps == steps_before:
         assert time.monotonic() < deadline  # admitted and generating
         time.sleep(0.01)
     call.cancel()
     with pytest.raises(grpc.FutureCancelledError):
         call.result()
     deadline = time.monotonic() + 5
-    while cluster.router.num_in_flight:
+    while cluster.router.in_flight.requests:
         assert time.monotonic() < deadline, "the request outlived its client"
         time.sleep(0.01)
     cluster.wait_pages_free()

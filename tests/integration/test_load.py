@@ -160,8 +160,8 @@ async def run_wave(cluster: LocalCluster, http_port: int, seed: int) -> list[Out
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         early = [asyncio.create_task(run_http(session, url, p)) for p in unary_disconnects]
         deadline = time.monotonic() + 30
-        while early and cluster.router.num_in_flight < len(early):  # all admitted (nothing else is in flight yet)
-            assert time.monotonic() < deadline, f"only {cluster.router.num_in_flight} admitted"
+        while early and cluster.router.in_flight.requests < len(early):  # all admitted (nothing else is in flight yet)
+            assert time.monotonic() < deadline, f"only {cluster.router.in_flight.requests} admitted"
             await asyncio.sleep(0.01)
         tasks = [asyncio.create_task(run_grpc(stub, p) if p.kind.startswith("grpc") else run_http(session, url, p))
                  for p in rest]
@@ -196,7 +196,7 @@ def assert_nothing_left(cluster: LocalCluster) -> None:
     while True:
         workers = {h.worker_id: (h.state()["running"], h.state()["waiting"], router.pool.in_flight(h.worker_id))
                    for h in cluster.hosts}
-        books = {"in_flight": router.num_in_flight, "prompt_tokens": router.prompt_tokens_in_flight,
+        books = {"in_flight": router.in_flight.requests, "prompt_tokens": router.in_flight.prompt_tokens,
                  "gauge": counter(cluster, "pdserve_requests_in_flight"),
                  "gate": (router.prefill_gate.num_waiting,
                           sum(router.prefill_gate.outstanding(h.worker_id) for h in cluster.hosts))}

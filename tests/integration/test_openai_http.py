@@ -226,12 +226,12 @@ def test_a_client_that_disconnects_aborts_its_request(served, stream):
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         deadline = time.monotonic() + 10
-        while cluster.router.num_in_flight == 0:  # admitted and generating
+        while cluster.router.in_flight.requests == 0:  # admitted and generating
             assert time.monotonic() < deadline
             time.sleep(0.01)
         time.sleep(0.2)
     gone = time.monotonic()
-    while cluster.router.num_in_flight:
+    while cluster.router.in_flight.requests:
         assert time.monotonic() - gone < 5.0, "the request outlived its client"
         time.sleep(0.01)
     cluster.wait_pages_free(timeout_s=5.0)
@@ -272,7 +272,7 @@ def test_streaming_clients_that_leave_log_no_traceback(served, caplog):
         for t in threads:
             t.join()
     deadline = time.monotonic() + 10
-    while cluster.router.num_in_flight:
+    while cluster.router.in_flight.requests:
         assert time.monotonic() < deadline, "requests outlived their clients"
         time.sleep(0.01)
     cluster.wait_pages_free(timeout_s=5.0)
@@ -304,7 +304,7 @@ def test_a_stream_closed_before_its_finish_counts_as_cancelled(served):
         before = scrape_metrics(port).get(key, 0)
         asyncio.run_coroutine_threadsafe(consume(until_finish), cluster.loop).result(60)
         cluster.wait_pages_free(timeout_s=5.0)
-        assert cluster.router.num_in_flight == 0
+        assert cluster.router.in_flight.requests == 0
         assert scrape_metrics(port).get(key, 0) - before == cancelled
 
 
@@ -359,7 +359,7 @@ def test_request_ids_are_the_clients_and_echoed(served):
     finally:
         conn.close()  # the client goes away: its request is aborted
     deadline = time.monotonic() + 10
-    while cluster.router.num_in_flight:
+    while cluster.router.in_flight.requests:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     cluster.wait_pages_free(timeout_s=5.0)
