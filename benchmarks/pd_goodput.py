@@ -26,7 +26,8 @@ from loadgen.workloads import LengthDist, WorkloadSpec
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bench"
 LAYOUTS = {"colocated": "colocated-small.yaml", "1P1D": "disagg-small.yaml", "1P2D": "disagg-1p2d-small.yaml",
-           "2P1D": "disagg-2p1d-small.yaml", "adaptive": "disagg-adaptive-small.yaml"}
+           "2P1D": "disagg-2p1d-small.yaml", "adaptive": "disagg-adaptive-small.yaml",
+           "shared": "disagg-shared-small.yaml"}
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import ray
 
-from cluster.cpu_priority import lower_priority
+from cluster.cpu_priority import compute_threads, lower_priority
 from cluster.gc_policy import tune_for_serving
 from cluster.specs import NODE_IP, WorkerSpec
 from configs import LoggingConfig, setup_logging
@@ -29,6 +29,8 @@ class WorkerActor:
 
         setup_logging(logging_config, component=spec.role, worker_id=spec.worker_id)
         tune_for_serving()
+        compute_threads(spec.num_threads)
+        lower_priority(spec.nice)  # before the host's threads start: they inherit it
         if spec.host == NODE_IP:  # off loopback: bind this node's address (cluster/worker_launch.py)
             spec = replace(spec, host=ray.util.get_node_ip_address())
         self.host = WorkerHost(spec)

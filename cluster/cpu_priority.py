@@ -1,7 +1,10 @@
-"""Lowers a serving process's CPU priority, so that on cores it shares with workers their
-compute runs first.
+"""A serving process's share of the cores it runs on: its niceness, and its compute threads.
 
-Called at the start of the router actor (cluster/actors.py) with `router.nice`. On one node the
+`lower_priority` is called at the start of the router actor (cluster/actors.py) with
+`router.nice`, and of each worker actor with its pool's `nice`; `compute_threads` sets a
+worker's intra-op threads to its pool's `num_threads_per_worker`.
+
+Why the router is niced: on one node the
 router, the client and the worker's compute threads share the cores; the worker's threads meet
 at a barrier at the end of every kernel, so a router thread that preempts one of them idles the
 other too. At nice 10 the router still gets its share (CFS weights it at ~1/9 of a nice-0
@@ -36,3 +39,13 @@ def lower_priority(nice: int) -> int:
         except OSError as exc:  # a thread that ended meanwhile, or a sandbox that refuses
             log.debug("could not renice thread %d to %d: %s", tid, nice, exc)
     return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def compute_threads(threads: int | None) -> int:
+    """Sets torch's intra-op thread count to `threads` (None leaves what Ray's OMP_NUM_THREADS
+    gave: the worker's CPUs); returns the count after. Called before the engine runs a kernel."""
+    import torch
+
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()

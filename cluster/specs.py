@@ -52,6 +52,8 @@ class WorkerSpec:
     max_lease_s: float = 30.0
     max_transfer_s: float = 30.0
     metrics_port: int | None = None  # serve /metrics here; None = no metrics
+    num_threads: int | None = None  # pool.num_threads_per_worker: torch's intra-op threads; None = Ray's default
+    nice: int = 0  # pool.nice: this worker's niceness (cluster/cpu_priority.py)
     peak_tflops: float | None = None  # what MFU / MBU are measured against (None = measured at start)
     peak_memory_bandwidth_gbps: float | None = None
 
@@ -141,7 +143,8 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
         max_lease_s=kv.reservation_lease_s, max_transfer_s=kv.timeout_s,
         shard_store_address=None,  # placed groups learn their store's node first (worker_launch.py)
         metrics_port=pool.metrics_base_port + index if pool.metrics_base_port is not None else None,
-        peak_tflops=pool.peak_tflops, peak_memory_bandwidth_gbps=pool.peak_memory_bandwidth_gbps)
+        peak_tflops=pool.peak_tflops, peak_memory_bandwidth_gbps=pool.peak_memory_bandwidth_gbps,
+        num_threads=pool.num_threads_per_worker, nice=pool.nice)
 
 
 def router_spec(config: ClusterConfig, model_dir: str, endpoints: list[WorkerEndpoint], router_host: str,

@@ -149,6 +149,15 @@ class PoolConfig(_Strict):
     # asks this much for each shard (one placement-group bundle per shard).
     num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs per worker process (per shard)")
     num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs per worker process (per shard)")
+    # Why a worker may run more compute threads than the CPUs Ray reserves for it: a 1P1D pair
+    # on two cores leaves one core idle whenever its partner is (the decode core between steps,
+    # the prefill core with no prompt queued). Two threads each, with the prefill pool at a higher
+    # niceness, let a prompt use both cores while decode steps still run first (docs/operations.md).
+    num_threads_per_worker: int | None = Field(
+        None, ge=1, description="compute threads per worker process; None = num_cpus_per_worker (at least 1). "
+        "More than its CPUs oversubscribes the cores on purpose (see nice)")
+    nice: int = Field(0, ge=0, le=19, description="the pool's worker processes' niceness; a higher value lets "
+                      "another pool's compute on shared cores run first (0 = leave it)")
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources per shard (e.g. {decode_slot: 1}: ties the pool to "
         "node types that offer them, so the Ray autoscaler knows which node type to add)")

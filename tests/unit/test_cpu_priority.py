@@ -53,3 +53,33 @@ def test_router_nice_is_a_niceness():
     for bad in (-1, 20):
         with pytest.raises(ValidationError, match="nice"):
             RouterConfig(nice=bad)
+
+
+def test_a_pools_threads_and_niceness_reach_its_workers_spec():
+    """num_threads_per_worker / nice (configs/cluster.py) travel in the WorkerSpec the actor
+    applies (cluster/actors.py); out-of-range values are config errors naming the key."""
+    from cluster.cluster_secret import ClusterSecret
+    from cluster.specs import worker_spec
+    from configs.cluster import ClusterConfig
+
+    def config_with(**prefill) -> ClusterConfig:
+        return ClusterConfig.model_validate({
+            "model": "builtin:tiny", "prefill": {"base_port": 52100, **prefill},
+            "decode": {"base_port": 52200, "kv_base_port": 52400}})
+
+    config = config_with(num_threads_per_worker=2, nice=15)
+    secret = ClusterSecret.generate()
+    prefill = worker_spec(config, "prefill", 0, "127.0.0.1", "127.0.0.1", secret)
+    decode = worker_spec(config, "decode", 0, "127.0.0.1", "127.0.0.1", secret)
+    assert (prefill.num_threads, prefill.nice) == (2, 15) and (decode.num_threads, decode.nice) == (None, 0)
+    for bad in ({"nice": 20}, {"num_threads_per_worker": 0}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            config_with(**bad)
+
+
+def test_compute_threads_sets_torchs_intra_op_threads():
+    out = subprocess.run([sys.executable, "-c", "from cluster.cpu_priority import compute_threads as c; "
+                          "n = c(None); print(n, c(1), c(3))"], env={"PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120, check=True)
+    unset, one, three = (int(x) for x in out.stdout.split())
+    assert unset >= 1 and (one, three) == (1, 3)
