@@ -25,6 +25,7 @@ from loadgen.metrics import RequestRecord
 from loadgen.workloads import BenchRequest
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
+from proto.usage_stages import request_stages, usage_stages
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -87,16 +88,18 @@ class GrpcBackend(BaseBackend):
         req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=request.prompt),
                                  sampling=pb.SamplingParams(max_tokens=request.output_len, ignore_eos=True,
                                                             **self.options.body_fields()))
-        times, n = [], 0
+        times, n, stages = [], 0, {}
         try:
             async for resp in self._stub.Generate(req, timeout=REQUEST_TIMEOUT_S, metadata=self.auth.grpc_metadata()):
                 if resp.token_ids:
                     times.append(time.perf_counter())
                     n += len(resp.token_ids)
+                if resp.HasField("usage"):  # the last message
+                    stages = request_stages(usage_stages(resp.usage))
         except grpc.aio.AioRpcError as exc:
             return RequestRecord(arrival, tuple(times), n, len(request.prompt), ok=False, error=exc.code().name,
                                  kind=request.kind)
-        return RequestRecord(arrival, tuple(times), n, len(request.prompt), kind=request.kind)
+        return RequestRecord(arrival, tuple(times), n, len(request.prompt), kind=request.kind, stages=stages)
 
 
 class OpenAIBackend(BaseBackend):
@@ -146,7 +149,7 @@ class OpenAIBackend(BaseBackend):
         body = {"model": self.model, "prompt": list(request.prompt), "max_tokens": request.output_len,
                 "temperature": 0.0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}, **self.options.body_fields()}
-        times, usage_tokens, error = [], None, ""
+        times, usage_tokens, error, stages = [], None, "", {}
         try:
             async with self._session.post(f"{self.base_url}/v1/completions", json=body) as resp:
                 if resp.status != 200:
@@ -163,6 +166,7 @@ class OpenAIBackend(BaseBackend):
                             break
                         if chunk.get("usage"):
                             usage_tokens = chunk["usage"]["completion_tokens"]
+                            stages = request_stages(chunk["usage"])  # pdserve's extension; {} elsewhere
                         choice = (chunk.get("choices") or [{}])[0]
                         if choice.get("text") or choice.get("finish_reason"):
                             times.append(now)
@@ -170,7 +174,7 @@ class OpenAIBackend(BaseBackend):
             error = type(exc).__name__
         n = usage_tokens if usage_tokens is not None else len(times)
         return RequestRecord(arrival, tuple(times), n, len(request.prompt), ok=not error, error=error,
-                             kind=request.kind)
+                             kind=request.kind, stages=stages)
 
 
 BACKENDS: dict[str, type[BaseBackend]] = {"grpc": GrpcBackend, "openai": OpenAIBackend}

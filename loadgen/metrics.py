@@ -22,6 +22,9 @@ class RequestRecord:
     ok: bool = True
     error: str = ""
     kind: str = ""  # the workload's request class ("short"/"long" in mixed), for per-class percentiles
+    # The server's own account of the request's stages (pdserve's Usage; empty for other servers):
+    # {stage: seconds}, proto/usage_stages.py STAGES.
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def ttft(self) -> float | None:
@@ -91,6 +94,8 @@ class Summary:
     e2e: dict[str, float] = field(default_factory=dict)
     goodput: float = math.nan
     attainment: float = math.nan
+    # {stage: summarize(...)} over the requests whose server reported it (pdserve: RequestRecord.stages)
+    stages: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: SLO | None = None) -> Summary:
@@ -101,12 +106,21 @@ def summarize_run(records: Sequence[RequestRecord], duration_s: float, slo: SLO 
         output_token_throughput=sum(r.num_tokens for r in ok) / duration_s if duration_s > 0 else math.nan,
         ttft=summarize([r.ttft for r in ok]), tpot=summarize([r.tpot for r in ok if r.tpot is not None]),
         itl=summarize([g for r in ok for g in r.itls]), e2e=summarize([r.e2e for r in ok]),
+        stages={stage: summarize(values) for stage, values in _stage_values(ok).items()},
     )
     if slo is not None and slo.is_set() and records:
         met = sum(1 for r in records if slo.met_by(r))
         out.goodput = met / duration_s if duration_s > 0 else math.nan
         out.attainment = met / len(records)
     return out
+
+
+def _stage_values(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    values: dict[str, list[float]] = {}
+    for r in records:
+        for stage, seconds in r.stages.items():
+            values.setdefault(stage, []).append(seconds)
+    return values
 
 
 def max_rate_at_attainment(rates: Sequence[float], attainments: Sequence[float], target: float = 0.9) -> float:

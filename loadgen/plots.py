@@ -1,11 +1,12 @@
 """PNG charts of bench results, one line per system or configuration so runs overlay.
 
 Read side of a bench run: `pdserve bench` plots its own result, `bench plot` and `bench
-compare` overlay several (loadgen/results.py loads them). Three charts:
+compare` overlay several (loadgen/results.py loads them). Four charts:
 - latency CDFs: TTFT, TPOT, ITL and E2E, one panel each, one line per (result, rate);
 - SLO attainment versus request rate: one line per result that swept several rates;
 - SLO attainment versus an SLO scale factor: both targets times 0.5..3, one line per
-  (result, rate): how much looser the SLO must be for a system to meet it.
+  (result, rate): how much looser the SLO must be for a system to meet it;
+- request stages: a stacked bar per (result, rate) of the stages pdserve reports in its usage.
 Each `*_figure` function returns a matplotlib Figure (tests inspect its lines); figures are
 drawn on the Agg canvas directly, without pyplot's global state, so no display is needed.
 """
@@ -19,6 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from loadgen.results import ATTAINMENT_TARGET, BenchResult, BenchRun
+from proto.usage_stages import STAGES
 
 SLO_SCALES = tuple(0.5 + 0.1 * i for i in range(26))  # 0.5x .. 3.0x
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
@@ -119,6 +121,28 @@ def _slo_text(results: list[BenchResult]) -> str:
     return ", ".join(parts)
 
 
+def stage_bars_figure(results: list[BenchResult]) -> Figure | None:
+    """One stacked bar per (result, rate): the mean of each stage the server reported (queued +
+    prefill = the TTFT; transfer + decode_wait = a remote placement's KV hand-off after it, over
+    the requests that had one). None when no server reported stages (not pdserve)."""
+    bars = [(run_label(result, run), run.summary(result.slo).stages) for result in results for run in result.runs]
+    bars = [(label, stages) for label, stages in bars if stages]
+    if not bars:
+        return None
+    fig, (ax,) = _new_figure(1, 1, (max(6.0, 1.2 * len(bars) + 2), 4.5))
+    bottoms = [0.0] * len(bars)
+    for i, (stage, _, _) in enumerate(STAGES):
+        heights = [1000 * stages[stage]["mean"] if stage in stages else 0.0 for _, stages in bars]
+        if any(heights):
+            ax.bar(range(len(bars)), heights, bottom=bottoms, label=stage, color=f"C{i}")
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], rotation=30, ha="right")
+    ax.set_ylabel("mean ms")
+    ax.set_title("Request stages: TTFT (queued + prefill), then the KV hand-off")
+    ax.legend()
+    return fig
+
+
 def data_lines(fig: Figure) -> dict[str, list[str]]:
     """Each panel's title -> the labels of its data lines (what a reader sees in the legend)."""
     return {ax.get_title(): [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
@@ -130,7 +154,8 @@ def plot_results(results: list[BenchResult], out_dir: Path, prefix: str = "") ->
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = {f"{prefix}latency_cdf.png": latency_cdf_figure(results),
               f"{prefix}attainment_vs_rate.png": attainment_vs_rate_figure(results),
-              f"{prefix}attainment_vs_slo_scale.png": attainment_vs_slo_scale_figure(results)}
+              f"{prefix}attainment_vs_slo_scale.png": attainment_vs_slo_scale_figure(results),
+              f"{prefix}stages.png": stage_bars_figure(results)}
     written = []
     for name, fig in charts.items():
         if fig is not None:

@@ -80,7 +80,7 @@ def _request_json(r: RequestRecord, start: float) -> dict:
     return {"kind": r.kind, "ok": r.ok, "error": r.error, "prompt_tokens": r.prompt_tokens,
             "output_tokens": r.num_tokens, "arrival_s": r.arrival - start,
             "ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e,
-            "token_times_s": [t - r.arrival for t in r.token_times]}
+            "token_times_s": [t - r.arrival for t in r.token_times], "stages_s": r.stages}
 
 
 def to_json(result: BenchResult) -> dict:
@@ -106,7 +106,8 @@ def from_json(data: dict) -> BenchResult:
     for run in data["runs"]:
         records = tuple(
             RequestRecord(r["arrival_s"], tuple(r["arrival_s"] + t for t in r["token_times_s"]), r["output_tokens"],
-                          r["prompt_tokens"], ok=r["ok"], error=r["error"], kind=r["kind"])
+                          r["prompt_tokens"], ok=r["ok"], error=r["error"], kind=r["kind"],
+                          stages=r.get("stages_s") or {})  # results written before stages had none
             for r in run["requests"])
         runs.append(BenchRun(math.inf if run["rate"] is None else run["rate"], run["duration_s"], records))
     return BenchResult(data["label"], data["backend"], data["target"], data["workload"], SLO(**data["slo"]),

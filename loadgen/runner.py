@@ -128,6 +128,8 @@ def format_run(run: BenchRun, plan: BenchPlan) -> str:
     lines = [(f"{plan.workload.name} @ {rate}: {s.num_requests} requests ({s.num_failed} failed) in "
               f"{s.duration_s:.2f} s | {s.request_throughput:.2f} req/s, {s.output_token_throughput:.1f} output tok/s")]
     lines += [f"  {name.upper():5s} {_ms(getattr(s, name))}" for name in ("ttft", "tpot", "itl", "e2e")]
+    if s.stages:  # the server's own account (pdserve): TTFT = queued + prefill; the KV hand-off after it
+        lines.append("  stages (mean) " + ", ".join(f"{stage} {1000 * v['mean']:.1f}ms" for stage, v in s.stages.items()))
     kinds = run.kinds()
     if len(kinds) > 1:
         for kind in kinds:

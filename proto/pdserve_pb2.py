@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfe\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x1f\n\x12speculative_method\x18\n \x01(\tH\x05\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x0b \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_speculative_methodB\x19\n\x17_num_speculative_tokens\"\xb6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x1c\n\x14spec_proposed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x06 \x01(\r\x12\x11\n\tplacement\x18\x07 \x01(\t\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa1\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12J\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfe\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x1f\n\x12speculative_method\x18\n \x01(\tH\x05\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x0b \x01(\rH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_speculative_methodB\x19\n\x17_num_speculative_tokens\"\x94\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x1c\n\x14spec_proposed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x06 \x01(\r\x12\x11\n\tplacement\x18\x07 \x01(\t\x12\x31\n\x0ettft_breakdown\x18\x08 \x01(\x0b\x32\x19.pdserve.v1.TtftBreakdown\x12)\n\nkv_handoff\x18\t \x01(\x0b\x32\x15.pdserve.v1.KvHandoff\"_\n\rTtftBreakdown\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rdecode_wait_s\x18\x04 \x01(\x01\"6\n\tKvHandoff\x12\x12\n\ntransfer_s\x18\x01 \x01(\x01\x12\x15\n\rdecode_wait_s\x18\x02 \x01(\x01\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa1\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12J\n\rGenerateUnary\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=979
-  _globals['_FINISHREASON']._serialized_end=1099
+  _globals['_FINISHREASON']._serialized_start=1226
+  _globals['_FINISHREASON']._serialized_end=1346
   _globals['_GENERATEREQUEST']._serialized_start=36
   _globals['_GENERATEREQUEST']._serialized_end=207
   _globals['_TOKENIDS']._serialized_start=209
@@ -40,9 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=235
   _globals['_SAMPLINGPARAMS']._serialized_end=617
   _globals['_USAGE']._serialized_start=620
-  _globals['_USAGE']._serialized_end=802
-  _globals['_GENERATERESPONSE']._serialized_start=805
-  _globals['_GENERATERESPONSE']._serialized_end=977
-  _globals['_GENERATION']._serialized_start=1102
-  _globals['_GENERATION']._serialized_end=1263
+  _globals['_USAGE']._serialized_end=896
+  _globals['_TTFTBREAKDOWN']._serialized_start=898
+  _globals['_TTFTBREAKDOWN']._serialized_end=993
+  _globals['_KVHANDOFF']._serialized_start=995
+  _globals['_KVHANDOFF']._serialized_end=1049
+  _globals['_GENERATERESPONSE']._serialized_start=1052
+  _globals['_GENERATERESPONSE']._serialized_end=1224
+  _globals['_GENERATION']._serialized_start=1349
+  _globals['_GENERATION']._serialized_end=1510
 # @@protoc_insertion_point(module_scope)

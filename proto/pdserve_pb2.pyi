@@ -65,7 +65,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., speculative_method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_s", "spec_proposed_tokens", "spec_accepted_tokens", "placement")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "ttft_s", "spec_proposed_tokens", "spec_accepted_tokens", "placement", "ttft_breakdown", "kv_handoff")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class Usage(_message.Message):
     SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDOFF_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
@@ -80,7 +82,29 @@ class Usage(_message.Message):
     spec_proposed_tokens: int
     spec_accepted_tokens: int
     placement: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., placement: _Optional[str] = ...) -> None: ...
+    ttft_breakdown: TtftBreakdown
+    kv_handoff: KvHandoff
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., ttft_s: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., placement: _Optional[str] = ..., ttft_breakdown: _Optional[_Union[TtftBreakdown, _Mapping]] = ..., kv_handoff: _Optional[_Union[KvHandoff, _Mapping]] = ...) -> None: ...
+
+class TtftBreakdown(_message.Message):
+    __slots__ = ("queued_s", "prefill_s", "transfer_s", "decode_wait_s")
+    QUEUED_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    queued_s: float
+    prefill_s: float
+    transfer_s: float
+    decode_wait_s: float
+    def __init__(self, queued_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_wait_s: _Optional[float] = ...) -> None: ...
+
+class KvHandoff(_message.Message):
+    __slots__ = ("transfer_s", "decode_wait_s")
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    transfer_s: float
+    decode_wait_s: float
+    def __init__(self, transfer_s: _Optional[float] = ..., decode_wait_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage")

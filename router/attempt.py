@@ -22,6 +22,7 @@ from router.placement.decide import Placement
 from router.placement.placer import Placer
 from router.policy import LeastLoadedPolicy
 from router.prefill_gate import PrefillGate
+from router.ttft_stages import KvHandoff, TtftBreakdown
 
 log = logging.getLogger(__name__)
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
@@ -161,6 +162,7 @@ class Attempt:
                 self._fail(msg)
             elif isinstance(msg, wm.TransferEnded):
                 if msg.state == "done":  # the prefill worker holds nothing more of this request
+                    self.stream.stages.mark_kv_sent()
                     self._done_with(msg.worker_id)
                 else:  # the KV could not be sent (a dead link): retry now on another way, not at the lease's end
                     if self.kv_route is not None:
@@ -174,8 +176,11 @@ class Attempt:
                 pending, early = [first, *(_tokens(t) for t in early or ())], None
                 async for response in self._relay(pending):
                     yield response
+                if len(pending) > 1:  # the decode worker's tokens came first: they reach the client now
+                    self.stream.stages.mark_decode_first()
             elif isinstance(msg, wm.Tokens):
                 self._count_spec(msg)
+                self.stream.stages.mark_decode_first()  # held back or not, the decode worker has joined
                 if early is not None:
                     early.append(msg)
                     continue
@@ -226,6 +231,7 @@ class Attempt:
     async def _dispatch(self, worker: str, message: object) -> None:
         """The prompt goes to the worker that computes it; the first dispatch ends the queue time."""
         self._use(worker)
+        self.stream.stages.mark_sent()
         await _send(self.pool, worker, message)
         while self.dispatched:
             self.dispatched.pop()(worker)
@@ -323,7 +329,7 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
     `logprobs`, one per id, travel with them when the request asked."""
     logprobs = logprobs or []
     if stream.ttft is None and new_ids:
-        stream.ttft = time.monotonic() - stream.start
+        stream.ttft = stream.stages.mark_first_token()
     if len(new_ids) == 1 or not stream.stops.stop:
         text = stream.stops.push(stream.detok.push(new_ids))
     else:
@@ -352,8 +358,19 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
         request_id=j.client_id, text=text, token_ids=new_ids, logprobs=logprobs, finish_reason=FINISH[reason],
         usage=pb.Usage(prompt_tokens=len(j.prompt), completion_tokens=len(stream.generated),
                        cached_prompt_tokens=stream.num_cached, ttft_s=stream.ttft or 0.0, placement=stream.placement,
+                       ttft_breakdown=_breakdown_pb(stream.stages.ttft_breakdown()),
+                       kv_handoff=_handoff_pb(stream.stages.kv_handoff()),
                        spec_proposed_tokens=sum(p for p, _ in stream.spec_counts.values()),
                        spec_accepted_tokens=sum(a for _, a in stream.spec_counts.values())))
+
+
+def _breakdown_pb(b: TtftBreakdown | None) -> pb.TtftBreakdown | None:
+    return None if b is None else pb.TtftBreakdown(queued_s=b.queued_s, prefill_s=b.prefill_s,
+                                                   transfer_s=b.transfer_s, decode_wait_s=b.decode_wait_s)
+
+
+def _handoff_pb(h: KvHandoff | None) -> pb.KvHandoff | None:
+    return None if h is None else pb.KvHandoff(transfer_s=h.transfer_s, decode_wait_s=h.decode_wait_s)
 
 
 async def _choose(choose: Callable[[], str | None], j: Journey, wait_s: float, none_message: str) -> str:

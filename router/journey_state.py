@@ -8,7 +8,6 @@ WorkerPool; a scripted fake in tests/unit/test_journey.py).
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,6 +19,7 @@ from router.placement.cost_model import LinkCost
 from router.policy import WorkerLoad
 from router.stop_strings import StopStringMatcher
 from router.tokenizer import IncrementalDetokenizer
+from router.ttft_stages import StageClock
 
 
 class RouterError(Exception):
@@ -85,7 +85,7 @@ class Stream:
 
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
-    start: float = field(default_factory=time.monotonic)
+    stages: StageClock = field(default_factory=StageClock)  # its TTFT's stages (router/ttft_stages.py)
     ttft: float | None = None
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0

@@ -21,6 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from proto.usage_stages import request_stages, usage_stages
 from router.slo import SloTargets, SloWindow
 
 # Latency buckets from 1 ms to 60 s: CPU runs of the tiny model and GPU runs of real ones.
@@ -36,6 +37,11 @@ class RouterMetrics:
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token", buckets=BUCKETS, registry=r)
         self.tpot = Histogram("pdserve_time_per_output_token_seconds", "(E2E - TTFT) / (tokens - 1), per request",
                               buckets=BUCKETS, registry=r)
+        # Queued and prefill sum to the TTFT; transfer and decode_wait are the remote placement's
+        # hand-off after the first token (router/ttft_stages.py says why the TTFT has none).
+        self.stages = Histogram("pdserve_request_stage_seconds", "A request's TTFT stages (queued, prefill) and "
+                                "its KV hand-off (transfer, decode_wait), on the router's clock", ["stage"],
+                                buckets=BUCKETS, registry=r)
         self.itl = Histogram("pdserve_inter_token_latency_seconds", "Gap between streamed responses",
                              buckets=BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to last token", buckets=BUCKETS, registry=r)
@@ -100,6 +106,11 @@ class RouterMetrics:
         self.cached_prompt_tokens.inc(cached_prompt_tokens)
         self.spec_proposed_tokens.inc(spec_proposed_tokens)
         self.spec_accepted_tokens.inc(spec_accepted_tokens)
+
+    def request_stages(self, usage) -> None:
+        """The final Usage's stages (a proto Usage: its ttft_breakdown and kv_handoff)."""
+        for stage, seconds in request_stages(usage_stages(usage)).items():
+            self.stages.labels(stage).observe(seconds)
 
     def request_failed(self, status: str, admitted: bool) -> None:
         """An error status; an admitted request that failed (not a client cancel) also counts

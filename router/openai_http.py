@@ -27,6 +27,7 @@ import jinja2.sandbox
 from aiohttp import web
 
 from proto import pdserve_pb2 as pb
+from proto.usage_stages import usage_stages
 from router.journey_state import RouterError
 from router.openai_request import BadRequest, max_body_bytes, read_body, to_grpc
 from router.request_ids import new_client_id
@@ -243,6 +244,7 @@ class OpenAIServer:
         if final and usage is not None:
             body["usage"] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
                              "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            body["usage"].update(usage_stages(usage))  # pdserve's extension: where the TTFT went, the KV hand-off
             if usage.spec_proposed_tokens:  # pdserve's extension: the request's speculative decoding
                 body["usage"]["spec_proposed_tokens"] = usage.spec_proposed_tokens
                 body["usage"]["spec_accepted_tokens"] = usage.spec_accepted_tokens

@@ -256,6 +256,7 @@ class Router:
                     self.metrics.request_finished(reason, ttft, now - start, num_tokens, usage.prompt_tokens,
                                                   usage.cached_prompt_tokens, usage.spec_proposed_tokens,
                                                   usage.spec_accepted_tokens)
+                    self.metrics.request_stages(usage)
                     self.log.event("finished", rid, **ids, finish_reason=reason, completion_tokens=num_tokens,
                                    cached_prompt_tokens=response.usage.cached_prompt_tokens,
                                    e2e_s=round(now - start, 6))

@@ -49,6 +49,9 @@ def test_completion_matches_grpc(served):
     assert out.choices[0].text == grpc_text(cluster, text="def main():")
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 12 and out.usage.prompt_tokens == len(cluster.router.tokenizer.encode("def main():"))
+    stages = out.usage.model_extra["ttft_breakdown"]  # pdserve's extension: where the TTFT went
+    assert set(stages) == {"queued_s", "prefill_s", "transfer_s", "decode_wait_s"}
+    assert stages["transfer_s"] == 0.0 and stages["prefill_s"] > 0 and "kv_handoff" not in out.usage.model_extra
 
 
 def test_streaming_completion_and_token_id_prompt(served):

@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from loadgen.plots import (
     data_lines,
     latency_cdf_figure,
     plot_results,
+    stage_bars_figure,
 )
 from loadgen.results import BenchResult, BenchRun, load_result, write_result
 from loadgen.runner import run_load
@@ -124,6 +126,30 @@ def test_plots_have_one_line_per_run_and_are_pngs(tmp_path):
     assert sorted(p.name for p in paths) == ["attainment_vs_rate.png", "attainment_vs_slo_scale.png", "latency_cdf.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000 for p in paths)
     assert [p.name for p in plot_results([result("n", slo=SLO())], tmp_path / "noslo")] == ["latency_cdf.png"]
+
+
+def test_server_reported_stages_survive_json_and_stack_into_one_bar_per_run(tmp_path):
+    """pdserve's Usage stages (RequestRecord.stages): summarized per run, written and read back,
+    drawn as one stacked bar per (result, rate); a server that reports none gets no chart."""
+    plain = result("peer", rates=(1.0,))
+    assert stage_bars_figure([plain]) is None and plain.runs[0].summary().stages == {}
+    staged = []
+    for i, r in enumerate(plain.runs[0].records):
+        handoff = {"transfer": 0.01, "decode_wait": 0.002} if i % 2 else {}  # every other one remote
+        staged.append(replace(r, stages={"queued": 0.05 * i, "prefill": 0.1, **handoff}))
+    ours = replace(plain, label="pdserve", runs=(replace(plain.runs[0], records=tuple(staged)),))
+    stages = ours.runs[0].summary().stages
+    assert stages["queued"]["mean"] == pytest.approx(0.225) and stages["prefill"]["p99"] == pytest.approx(0.1)
+    assert stages["transfer"]["mean"] == pytest.approx(0.01)  # over the requests that had a hand-off
+    loaded = load_result(write_result(ours, tmp_path)[0])
+    assert [r.stages for r in loaded.runs[0].records] == [r.stages for r in staged]
+    fig = stage_bars_figure([ours, plain])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["queued", "prefill", "transfer", "decode_wait"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["pdserve"]  # the peer reported nothing
+    top = max(p.get_y() + p.get_height() for p in ax.patches)
+    assert top == pytest.approx(1000 * (0.225 + 0.1 + 0.01 + 0.002))
+    assert "stages.png" in [p.name for p in plot_results([ours], tmp_path / "plots")]
 
 
 def test_compare_table_ratios_against_the_first_config():
