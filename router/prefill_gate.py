@@ -17,19 +17,26 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from router.token_counts import TokenCounts
+
 
 class PrefillGate:
     def __init__(self, max_tokens_per_worker: int) -> None:
         if max_tokens_per_worker < 1:
             raise ValueError(f"max_tokens_per_worker must be >= 1, got {max_tokens_per_worker}")
         self.max_tokens_per_worker = max_tokens_per_worker
-        self._outstanding: dict[str, int] = {}  # prefill worker -> prompt tokens sent, not yet prefilled
+        self._outstanding = TokenCounts("prefill gate")  # prefill worker -> prompt tokens sent, not yet prefilled
         self._queue: deque[tuple[int, int]] = deque()  # waiting (ticket, prompt tokens), oldest first
         self._tickets = itertools.count()
         self._changed = asyncio.Event()
 
     def outstanding(self, worker_id: str) -> int:
-        return self._outstanding.get(worker_id, 0)
+        return self._outstanding.tokens(worker_id)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Prompt tokens sent to every prefill worker and not yet prefilled (0 when idle)."""
+        return self._outstanding.total()
 
     @property
     def num_waiting(self) -> int:
@@ -59,9 +66,9 @@ class PrefillGate:
         try:
             while True:
                 if self._queue[0][0] == ticket:
-                    worker = choose({w for w in self._outstanding if not self.has_room(w, num_tokens)})
+                    worker = choose({w for w in self._outstanding.workers() if not self.has_room(w, num_tokens)})
                     if worker is not None:
-                        self._outstanding[worker] = self.outstanding(worker) + num_tokens
+                        self._outstanding.add(worker, num_tokens)
                         return worker
                 if reconsider(self._ahead(ticket)):
                     return None
@@ -88,11 +95,5 @@ class PrefillGate:
         return ahead
 
     def release(self, worker_id: str, num_tokens: int) -> None:
-        left = self.outstanding(worker_id) - num_tokens
-        if left < 0:
-            raise RuntimeError(f"prefill gate: {worker_id} released {num_tokens} tokens it was not holding")
-        if left:
-            self._outstanding[worker_id] = left
-        else:
-            self._outstanding.pop(worker_id, None)
+        self._outstanding.done(worker_id, num_tokens)
         self._changed.set()

@@ -1,6 +1,6 @@
 """The cost model's inputs for one request, read from what the router knows now: the workers'
 heartbeats (rates, links, health: router/worker_pool.py), its own counts of prompt tokens sent
-and not yet prefilled (the prefill gate for prefill workers, `LocalQueue` for prompts placed on
+and not yet prefilled (the prefill gate for prefill workers, `local_queue` for prompts placed on
 decode workers), and the KV block index (which worker holds how much of the prompt).
 
 Priors: a worker that has not measured a rate yet (a decode worker that never prefilled, a new
@@ -16,29 +16,13 @@ from collections.abc import Callable, Sequence
 from router.placement.cost_model import DecodeSide, LinkCost, PrefillSide
 from router.placement.decide import RemoteOption
 from router.policy import WorkerLoad
+from router.token_counts import TokenCounts
 
 
-class LocalQueue:
+def local_queue() -> TokenCounts:
     """Prompt tokens the router placed on each decode worker whose first token has not come
     back yet: that worker's own prefill queue, as fresh as the router's last dispatch."""
-
-    def __init__(self) -> None:
-        self._tokens: dict[str, int] = {}
-
-    def tokens(self, worker_id: str) -> int:
-        return self._tokens.get(worker_id, 0)
-
-    def add(self, worker_id: str, num_tokens: int) -> None:
-        self._tokens[worker_id] = self.tokens(worker_id) + num_tokens
-
-    def done(self, worker_id: str, num_tokens: int) -> None:
-        left = self.tokens(worker_id) - num_tokens
-        if left < 0:
-            raise RuntimeError(f"local queue: {worker_id} released {num_tokens} tokens it was not holding")
-        if left:
-            self._tokens[worker_id] = left
-        else:
-            self._tokens.pop(worker_id, None)
+    return TokenCounts("local queue")
 
 
 def _mean_rate(loads: Sequence[WorkerLoad]) -> float:

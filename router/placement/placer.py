@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from router.journey_state import Pool
-from router.placement.candidates import LocalQueue, decode_sides, prefill_sides, prior_rates, remote_options
+from router.placement.candidates import decode_sides, local_queue, prefill_sides, prior_rates, remote_options
 from router.placement.cost_model import LinkCost
 from router.placement.decide import Placement, PlacementSettings, choose
 from router.prefill_gate import PrefillGate
@@ -24,7 +24,7 @@ class Placer:
         self.settings = settings
         self.gate = gate
         self.on_decision = on_decision
-        self.local = LocalQueue()  # prompt tokens placed on each decode worker, first token not back yet
+        self.local = local_queue()  # prompt tokens placed on each decode worker, first token not back yet
 
     def record(self, request_id: str, client_id: str, placement: Placement) -> None:
         self.on_decision(request_id, client_id, placement)

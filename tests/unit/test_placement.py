@@ -12,7 +12,7 @@ import pytest
 from proto import worker_messages as wm
 from proto.block_hash import hash_full_pages, short_hash
 from router.placement.block_index import BlockIndex
-from router.placement.candidates import LocalQueue, decode_sides, prefill_sides, prior_rates, remote_options
+from router.placement.candidates import decode_sides, local_queue, prefill_sides, prior_rates, remote_options
 from router.placement.cost_model import (
     DecodeSide,
     LinkCost,
@@ -129,7 +129,7 @@ def test_candidates_get_priors_and_the_routers_fresher_queues():
     decodes = [WorkerLoad("d0", running=3, decode_step_s=0.02, queued_tokens=50), WorkerLoad("d1")]
     assert prior_rates(prefills, decodes) == (2000.0, 2000.0)  # decode's prior from the prefill pool
     assert prior_rates([WorkerLoad("p0")], [WorkerLoad("d0", prefill_tokens_per_s=500.0)]) == (500.0, 500.0)
-    queue = LocalQueue()
+    queue = local_queue()
     queue.add("d1", 300)
     ps = prefill_sides(prefills, {"p0": 900}.get, {"p0": 32}.get, 2000.0)
     ds = decode_sides(decodes, queue.tokens, {"d0": 0, "d1": 16}.get, 2000.0)
