@@ -122,6 +122,12 @@ class WorkerHost:
     def page_stats(self) -> dict[str, int]:
         return self.engine.snapshot.page_stats()
 
+    def held_request_ids(self) -> frozenset[str]:
+        """Every request id this worker holds anything for: engine sequences, held or reserved
+        pages, prefill jobs, KV transfers in or out. As of the serving loop's last turn (safe
+        from any thread); empty once every request has ended: what a leak check asserts."""
+        return self.engine.snapshot.request_ids | getattr(self._role, "held_ids", frozenset())
+
     def rejected_messages(self) -> dict[tuple[str, str], int]:
         """(socket, reason) -> messages dropped: the loops' counts plus the role's refused
         commands (a prefill worker's unknown KV destinations). Safe from any thread."""

@@ -93,6 +93,9 @@ class DecodeWorker:
         # The KV sources this worker can no longer hear (address -> why), as of the last publish():
         # the heartbeat reports them, so the router sends their KV another way.
         self.dead_sources: dict[str, str] = {}
+        # The requests this role holds anything for beyond the engine's own (reservations, KV
+        # expected), as of the last publish(): a leak check reads it (WorkerHost.held_request_ids).
+        self.held_ids: frozenset[str] = frozenset()
 
     def handle(self, message: object) -> None:
         if isinstance(message, ReserveKV):
@@ -129,6 +132,7 @@ class DecodeWorker:
         """What other threads read (heartbeats, status, metrics) made current; on this thread."""
         self.engine.publish_snapshot()
         self.dead_sources = self.kv_transport.link_errors()
+        self.held_ids = frozenset(self._reserved.keys() | self.receiver.request_ids())
 
     def _emit_tokens(self, out: RequestOutput) -> None:
         if out.finished:

@@ -314,7 +314,8 @@ class LLMEngine:
     def publish_snapshot(self) -> EngineSnapshot:
         """Replaces `snapshot` with the state now. Called on the engine's own thread: by `step`, and
         by the serving loop after each turn (reservations and admissions change pages between steps)."""
-        self.snapshot = EngineSnapshot.of(self.scheduler, self.page_manager, self.num_steps)
+        self.snapshot = EngineSnapshot.of(self.scheduler, self.page_manager, self.num_steps,
+                                          frozenset(self._seqs.keys() | self.handoff.request_ids()))
         return self.snapshot
 
     def encode(self, text: str) -> list[int]:

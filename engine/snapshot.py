@@ -32,9 +32,13 @@ class EngineSnapshot:
     # Prompt tokens of scheduled or waiting sequences not computed yet (a decode worker's own
     # prompts placed on it: router/placement/ weighs its queue by them).
     pending_prompt_tokens: int = 0
+    # Every request the engine holds anything for (a sequence, held or reserved pages): what a
+    # leak check reads (cluster/worker_host.py held_request_ids).
+    request_ids: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, scheduler: Scheduler, page_manager: PageManager, num_steps: int) -> EngineSnapshot:
+    def of(cls, scheduler: Scheduler, page_manager: PageManager, num_steps: int,
+           request_ids: frozenset[str] = frozenset()) -> EngineSnapshot:
         """The state now: on the engine's own thread only."""
         pm, sched = page_manager, scheduler
         pending = sum(max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
@@ -42,7 +46,8 @@ class EngineSnapshot:
         return cls(num_running=len(sched.running), num_waiting=len(sched.waiting), num_pages=pm.num_pages,
                    free_pages=pm.num_free_pages, referenced_pages=pm.num_referenced_pages,
                    cached_pages=pm.num_cached_pages, prefix_queried_tokens=pm.prefix_queries_tokens,
-                   prefix_hit_tokens=pm.prefix_hit_tokens, num_steps=num_steps, pending_prompt_tokens=pending)
+                   prefix_hit_tokens=pm.prefix_hit_tokens, num_steps=num_steps, pending_prompt_tokens=pending,
+                   request_ids=request_ids)
 
     def page_stats(self) -> dict[str, int]:
         """The KV page counts in the shape `pdserve status` and the tests read."""

@@ -68,6 +68,7 @@ class PrefillWorker:
         self.log = EventLog("prefill", worker_id)
         self.queued_tokens = 0  # num_queued_tokens as of the last publish(): what other threads read
         self.link_states: tuple[LinkState, ...] = ()  # as of the last publish(): the heartbeat reports them
+        self.held_ids: frozenset[str] = frozenset()  # jobs and transfers, as of the last publish() (leak checks)
 
     @property
     def num_queued_tokens(self) -> int:
@@ -80,6 +81,7 @@ class PrefillWorker:
         self.queued_tokens = self.num_queued_tokens
         self.links.keep(self.destinations.addresses)  # a link to every destination, before it is needed
         self.link_states = self.links.states()
+        self.held_ids = frozenset(self._jobs.keys() | self.links.request_ids())
 
     def handle(self, message: object) -> None:
         if isinstance(message, Prefill):

@@ -390,19 +390,32 @@ async def _prefill_slot(j: Journey, prompt: tuple[int, ...], pool: Pool, policy:
                         reconsider: Callable[[int], bool]) -> str | None:
     """A prefill worker with room for `prompt` (gate credit taken; the one caching most of it,
     within the policy's load cap), waiting in the router's queue while every healthy one is full;
-    None when `reconsider` moved the prompt elsewhere; UNAVAILABLE when none is healthy for `wait_s`."""
+    None when `reconsider` moved the prompt elsewhere; UNAVAILABLE when none is healthy for `wait_s`
+    and `reconsider` has nowhere else for it."""
     give_up = time.monotonic() + wait_s
+    # Set at the head of the queue with no healthy prefill worker past give_up. Not raised there:
+    # the prefill worker may have died while this prompt waited (it was placed remote when one
+    # was up), and the gate asks `reconsider` next, which moves it to a decode worker if any.
+    stranded = [False]
 
     def choose(full: set[str]) -> str | None:
         loads = pool.loads("prefill")
-        if not any(w.healthy for w in loads) and time.monotonic() >= give_up:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        if not any(w.healthy for w in loads):
+            stranded[0] = time.monotonic() >= give_up
+            return None
         open_ = [w for w in loads if w.worker_id not in full]
         return policy.choose_prefill(prompt, open_, pool.blocks.cached_tokens(hashes, [w.worker_id for w in open_]))
 
+    def elsewhere(ahead_tokens: int) -> bool:
+        if reconsider(ahead_tokens):
+            return True
+        if stranded[0]:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        return False
+
     return await gate.acquire(len(prompt), choose, j.deadline,
                               lambda: RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline expired"),
-                              reconsider=reconsider)
+                              reconsider=elsewhere)
 
 
 async def _send(pool: Pool, worker: str, message: object) -> None:

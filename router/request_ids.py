@@ -58,3 +58,6 @@ class LiveIds:
 
     def __len__(self) -> int:
         return len(self._internal)
+
+    def internal_ids(self) -> set[str]:
+        return set(self._internal.values())

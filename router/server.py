@@ -135,6 +135,18 @@ class Router:
         if self.pool is not None:
             await self.pool.close()
 
+    def held(self) -> dict:
+        """What the router holds for requests now, on its event loop: the ids with an event
+        subscription, a worker involved or a live client id, and the counts every request adds
+        to and takes back (in flight, prompt tokens, prefill credit, the local queue, the gate's
+        waiters). All empty or 0 once every request has ended: what a leak check asserts."""
+        ids = self.live_ids.internal_ids() | (self.pool.request_ids() if self.pool is not None else set())
+        return {"request_ids": ids, "in_flight": self.in_flight.requests,
+                "in_flight_prompt_tokens": self.in_flight.prompt_tokens,
+                "unprefilled_tokens": self.in_flight.unprefilled_tokens,
+                "prefill_credit_tokens": self.prefill_gate.outstanding_tokens,
+                "prefill_waiting": self.prefill_gate.num_waiting, "local_queue_tokens": self.placer.local.total()}
+
     def is_ready(self) -> bool:
         """Whether requests can be served now (gRPC health, HTTP /health)."""
         return self.pool is not None and self.pool.all_healthy(self.serving_roles)

@@ -289,6 +289,10 @@ class WorkerPool:
     def unsubscribe(self, request_id: str) -> None:
         self._waiters.pop(request_id, None)
 
+    def request_ids(self) -> set[str]:
+        """Every request id with an event subscription or a worker it involves (on the event loop)."""
+        return set(self._waiters).union(*(w.requests for w in self._workers.values()))
+
     async def _pump_events(self) -> None:
         """Every worker event to where it belongs (a frame carries one or more, one part each: a
         worker sends a step's events together). One bad event is dropped and counted; nothing

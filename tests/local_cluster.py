@@ -61,12 +61,12 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, model_dir, mode: str, engine: EngineConfig, num_workers: int = 1,
+    def __init__(self, model_dir, mode: str, engine: EngineConfig, num_workers: int | dict[str, int] = 1,
                  ready_timeout_s: float = 60.0, metrics_peak: Peak | None = None,
                  crash_when: dict[str, Callable[[object], str | None]] | None = None,
                  kv_timeout_s: float = 30.0, lease_s: float = 30.0, **router: object) -> None:
         """`metrics_peak`: serve each worker's /metrics on a free port (`metrics_address`),
-        measuring MBU / MFU against this peak; `num_workers` per role; `crash_when`: worker id
+        measuring MBU / MFU against this peak; `num_workers` per role (or {role: n}); `crash_when`: worker id
         -> when to crash it (tests/fault_injection.py); `router`: RouterConfig fields (SLOs,
         retries, heartbeat timeout, queue bounds), validated as the YAML's would be.
 
@@ -74,7 +74,8 @@ class LocalCluster:
         by cluster/specs.py, as `pdserve up` builds them; only the ports differ (free ones)."""
         roles = ["colocated"] if mode == "colocated" else ["prefill", "decode"]
         settings = engine.model_dump(exclude={"model"})
-        pools = {role: {"num_workers": num_workers, "base_port": 20000 + 1000 * k, "engine": settings,
+        counts = num_workers if isinstance(num_workers, dict) else dict.fromkeys(roles, num_workers)
+        pools = {role: {"num_workers": counts[role], "base_port": 20000 + 1000 * k, "engine": settings,
                         **({"kv_base_port": 23000} if role == "decode" else {}),
                         **({"metrics_base_port": 24000 + 1000 * k} if metrics_peak else {})}
                  for k, role in enumerate(roles)}
@@ -87,7 +88,7 @@ class LocalCluster:
         self.secret = ClusterSecret.generate()  # as `pdserve up` makes one: every internal message is signed
         self.hosts = []
         for role in roles:
-            for i in range(num_workers):
+            for i in range(counts[role]):
                 spec = worker_spec(self.config, role, i, "127.0.0.1", "127.0.0.1", self.secret)
                 spec = replace(spec, command_port=free_port(), kv_port=free_port() if spec.kv_port else None,
                                metrics_port=free_port() if spec.metrics_port else None)
@@ -133,6 +134,17 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise AssertionError(f"pages still referenced: {stats}")
             time.sleep(0.05)
+
+    def held(self) -> dict:
+        """What the router (Router.held, read on its loop) and every live worker
+        (WorkerHost.held_request_ids) still hold for requests."""
+
+        async def read() -> dict:
+            return self.router.held()
+
+        held = asyncio.run_coroutine_threadsafe(read(), self.loop).result(10)
+        held["workers"] = {h.worker_id: h.held_request_ids() for h in self.hosts if not h.crashed}
+        return held
 
     def close(self) -> None:
         self.channel.close()

@@ -45,6 +45,10 @@ class KVHandoff:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._held or request_id in self._reserved
 
+    def request_ids(self) -> set[str]:
+        """Every request holding pages here (held for a transfer, or reserved for one)."""
+        return set(self._held) | set(self._reserved)
+
     # -- prefill side -------------------------------------------------------------------------
     def hold(self, request_id: str, page_ids: Sequence[int], num_tokens: int) -> None:
         self._held[request_id] = HeldKV(tuple(page_ids), num_tokens)

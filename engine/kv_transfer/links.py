@@ -54,6 +54,10 @@ class KVLinks:
                                               observer=self.observer)
         return self._senders[address]
 
+    def request_ids(self) -> set[str]:
+        """The requests with a transfer in progress on any link."""
+        return set().union(*(s.request_ids() for s in self._senders.values()))
+
     def keep(self, addresses: Iterable[str]) -> None:
         """Opens a link to each of `addresses` and closes the idle ones to any other endpoint."""
         wanted = set(addresses)

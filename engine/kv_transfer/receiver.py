@@ -111,6 +111,10 @@ class KVReceiver:
     def num_pending(self) -> int:
         return len(self._incoming)
 
+    def request_ids(self) -> set[str]:
+        """The requests whose KV is expected here (begun or announced) and not ended."""
+        return set(self._incoming)
+
     def _write_pages(self, entry: _Incoming, frame: Frame) -> None:
         h = frame.header
         first, num = h.get("first_page"), h.get("num_pages")

@@ -75,6 +75,10 @@ class KVSender:
         """Transfers begun and not ended on this link."""
         return len(self._outgoing)
 
+    def request_ids(self) -> set[str]:
+        """The requests whose transfer on this link has begun and not ended."""
+        return set(self._outgoing)
+
     def begin(self, request_id: str, timeout_s: float, token: str = "") -> None:
         """`token`: the secret the decode side gave the reservation (KVDestination.token)."""
         if request_id in self._outgoing:

@@ -402,3 +402,30 @@ def test_kv_the_prefill_worker_could_not_send_is_retried_at_once_marking_the_lin
     assert time.monotonic() - start < 2  # not the 5 s lease
     assert pool.suspected == [("p0", "kv:1")]
     assert {w for w, m in pool.commands(wm.Abort) if m.request_id == "r"} == {"p0", "d0"}
+
+
+def test_a_prompt_queued_for_a_prefill_worker_that_dies_is_computed_on_a_decode_worker(tokenizer):
+    """Placed remote while p0 was up, it waits in the router's queue (p0 has no room); p0 dies.
+    The prompt must move to the decode worker (placement 'local', no_prefill_worker), not fail
+    UNAVAILABLE 'no healthy prefill worker' at the head of the queue (the cancel storm found it)."""
+    pool = FakePool({"p0": "prefill", "d0": "decode"}, whole_on_decode)
+    placed: list[Placement] = []
+
+    async def scenario():
+        gate = PrefillGate(64)
+        gate._outstanding.add("p0", 64)  # another prompt fills p0's credit: ours waits
+        placer = Placer(PlacementSettings("always"), gate, lambda rid, client_id, p: placed.append(p))
+
+        async def kill_p0():
+            await asyncio.sleep(0.2)
+            pool.dead.add("p0")
+
+        killer = asyncio.ensure_future(kill_p0())
+        out = [r async for r in run_journey(journey(), pool, make_policy("least_loaded"), tokenizer, SETTINGS,
+                                            gate=gate, placer=placer)]
+        await killer
+        return out
+
+    assert ids(asyncio.run(asyncio.wait_for(scenario(), 10))) == [10, 11, 12, 13]
+    assert [(p.kind, p.reason, p.decode) for p in placed] == [("local", "no_prefill_worker", "d0")]
+    assert not pool.commands(wm.Prefill) and [w for w, _ in pool.commands(wm.Generate)] == ["d0"]
