@@ -92,6 +92,10 @@ class RouterActor:
     def add_worker(self, endpoint: WorkerEndpoint) -> None:
         self._on_loop(self._async(self.router.add_worker, endpoint))
 
+    def worker_healthy(self, worker_id: str) -> bool:
+        """Whether the router has a fresh heartbeat from `worker_id` (it routes to it now)."""
+        return self._on_loop(self._async(self.router.worker_healthy, worker_id))
+
     def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         return self._on_loop(self.router.drain_worker(worker_id, timeout_s), timeout_s + 10)
 

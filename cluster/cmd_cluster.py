@@ -135,8 +135,12 @@ def scale(args: argparse.Namespace) -> int:
     for change in reply["changes"]:
         removed = [r["worker_id"] + (f" ({r['cut_off_requests']} requests cut off at the drain timeout)"
                                      if r["cut_off_requests"] else "") for r in change["removed"]]
+        starting = change.get("starting", [])
+        serving = [w for w in change["added"] if w not in starting]
         print(f"pdserve: {change['role']}: {change['size']} workers"
-              + (f"; added {', '.join(change['added'])}" if change["added"] else "")
+              + (f"; added {', '.join(serving)} (serving)" if serving else "")
+              + (f"; added {', '.join(starting)} (still starting: no heartbeat yet, see pdserve status)"
+                 if starting else "")
               + (f"; drained and removed {', '.join(removed)}" if removed else "")
               + ("" if change["added"] or removed else " (unchanged)"))
     return 0

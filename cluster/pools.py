@@ -64,6 +64,7 @@ class PoolManager:
             indices = self._indices(role)
             try:
                 added = self._join(role, self._free_indices(role, size - len(indices)), say)
+                starting = self._await_healthy(added, say)
             except BaseException:
                 self.targets[role] = len(self._indices(role))  # the supervisor must not keep retrying what failed
                 raise
@@ -83,7 +84,7 @@ class PoolManager:
                 share_kv_destinations(self.cluster.slots.values(), self.start_timeout_s)
         if added or removed:
             self.on_change()
-        return {"role": role, "size": size, "added": added, "removed": removed}
+        return {"role": role, "size": size, "added": added, "removed": removed, "starting": starting}
 
     # -- supervision ----------------------------------------------------------------------------
     def replace_dead(self, say=log.warning) -> list[str]:
@@ -129,6 +130,23 @@ class PoolManager:
             except Exception as exc:  # noqa: BLE001 - try again on the next round
                 say(f"{role}: start failed ({exc}); will retry")
         return started
+
+    def _await_healthy(self, worker_ids: list[str], say, timeout_s: float | None = None) -> list[str]:
+        """Waits until the router has a heartbeat from each of `worker_ids` (routes to it), up to
+        `timeout_s` (default the router's heartbeat timeout, at least 10 s); returns those still
+        starting then. Without it, `pdserve scale` said "added" while status showed the worker DOWN."""
+        import ray
+
+        timeout_s = timeout_s if timeout_s is not None else max(10.0, 2 * self.cluster.config.router.heartbeat_timeout_s)
+        deadline, waiting = time.monotonic() + timeout_s, list(worker_ids)
+        while waiting:
+            waiting = [w for w in waiting if not ray.get(self.cluster.router.worker_healthy.remote(w), timeout=30)]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        for w in worker_ids:
+            say(f"{w}: {'still starting (no heartbeat at the router yet)' if w in waiting else 'serving'}")
+        return waiting
 
     def _free_indices(self, role: str, count: int) -> list[int]:
         """The lowest `count` indices (each its own ports) no running worker of `role` has."""

@@ -29,6 +29,7 @@ MAX_EVENTS_PER_FRAME = 256  # events of one step per frame (the router takes any
 
 
 class WorkerRole(Protocol):
+    worker_id: str
     batch_events: bool  # a step's events leave together (EventSink.batch); False: each as emitted
 
     def handle(self, message: object) -> None: ...
@@ -131,7 +132,7 @@ def serve(
                         message = sock.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    _take(role, verifier, message, on_reject)
+                    _take(role, verifier, message, on_reject, events.emit)
             with events.batch() if role.batch_events else contextlib.nullcontext():  # one frame a step
                 busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
@@ -145,13 +146,18 @@ def serve(
         beat.join(heartbeat_s + 1)
 
 
-def _take(role: WorkerRole, verifier: FrameVerifier, message: list[bytes], on_reject: OnReject) -> None:
-    """One received command to the role, or dropped, logged and counted with why."""
-    where, command = verifier.audience, None
+def _take(role: WorkerRole, verifier: FrameVerifier, message: list[bytes], on_reject: OnReject,
+          emit: Callable[[object], None]) -> None:
+    """One received command to the role, or dropped, logged and counted with why. A signed
+    command that names a request but cannot be taken (a malformed field, a message this role does
+    not take, an error handling it) is answered with Failed(stage "command") naming why, so the
+    router fails that request at once instead of waiting for its deadline."""
+    where, command, request_id = verifier.audience, None, None
     try:
         sender, parts = verifier.verify(message)  # nothing is parsed before this
         if len(parts) != 1:
             raise ValueError(f"a command is one part after its signature, not {len(parts)}")
+        request_id = wm.request_id_of(bytes(parts[0]))  # signed: the router's own id, worth answering
         command = wm.decode(bytes(parts[0]))
         role.handle(command)
     except AuthError as exc:  # not from this cluster's router: no request id worth believing
@@ -159,14 +165,18 @@ def _take(role: WorkerRole, verifier: FrameVerifier, message: list[bytes], on_re
         log.warning("refused a command on %s (%s): %s", where, exc.reason, str(exc)[:200])
     except ValueError as exc:  # malformed, or a message this role does not take
         on_reject("commands", "malformed" if command is None else "refused")
-        log.warning("dropped a bad command on %s (request %s): %s", where, _request_id(command), str(exc)[:200])
+        log.warning("dropped a bad command on %s (request %s): %s", where, request_id, str(exc)[:200])
+        _answer(emit, request_id, role.worker_id,
+                f"{'malformed' if command is None else 'refused'} command: {str(exc)[:wm.MAX_TEXT_CHARS - 100]}")
     except Exception as exc:  # noqa: BLE001 - one command never ends the loop
         on_reject("commands", "error")
-        log.error("command on %s (request %s) failed: %s: %s", where, _request_id(command), type(exc).__name__, exc)
+        log.error("command on %s (request %s) failed: %s: %s", where, request_id, type(exc).__name__, exc)
+        _answer(emit, request_id, role.worker_id, f"command failed: {type(exc).__name__}: {str(exc)[:1000]}")
 
 
-def _request_id(command: object) -> str:
-    return repr(getattr(command, "request_id", None))
+def _answer(emit: Callable[[object], None], request_id: str | None, worker_id: str, reason: str) -> None:
+    if request_id is not None:
+        emit(wm.Failed(request_id, worker_id, "command", reason))
 
 
 def _heartbeat(make_sink: Callable[[], EventSink], load: Callable[[], wm.Load], stop: threading.Event,

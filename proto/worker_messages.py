@@ -137,7 +137,7 @@ class Abort:
 class Failed:
     request_id: str
     worker_id: str
-    stage: str  # "reserve", "prefill", "transfer", "decode"
+    stage: str  # "reserve", "prefill", "transfer", "decode", or "command" (a command the worker could not take)
     reason: str
 
 
@@ -209,6 +209,18 @@ def decode(data: bytes) -> Any:
     return _from_raw(raw)
 
 
+def request_id_of(data: bytes) -> str | None:
+    """The request id of an encoded message that `decode` refused, if it has a usable one (a
+    string within the id bound), so the worker can say which request's command was bad; never
+    raises."""
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception:  # noqa: BLE001 - anything undecodable simply has no id
+        return None
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if type(rid) is str and 0 < len(rid) <= MAX_ID_CHARS else None
+
+
 # Bounds every decoded message is held to: a peer cannot make the receiver allocate or log
 # without limit, and a NaN or a bool never passes for a number.
 MAX_ID_CHARS = 256  # request and worker ids
@@ -262,7 +274,7 @@ def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
 
 
 def _nested(cls: type) -> Callable[[str, Any], Any]:
-    return lambda name, value: _build(cls, value, name)
+    return lambda name, value: _build(cls, value, name)  # its fields are named under `name`
 
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
@@ -281,8 +293,11 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         raise ValueError(f"{where} must be a map, got {type(raw).__name__}")
     names = {f.name for f in fields(cls)}
     if set(raw) != names:
-        raise ValueError(f"{cls.__name__} fields {sorted(map(str, raw))[:20]} != {sorted(names)}")
-    return cls(**{f.name: _CHECKS[str(f.type)](f.name, raw[f.name]) for f in fields(cls)})
+        missing, unknown = sorted(names - set(raw)), sorted(map(str, set(raw) - names))[:20]
+        raise ValueError(f"{where} ({cls.__name__}): " + "; ".join(
+            part for part in (missing and f"missing fields {missing}", unknown and f"unknown fields {unknown}") if part))
+    # Named with their path (Prefill.sampling.max_tokens): the error a worker sends back says which.
+    return cls(**{f.name: _CHECKS[str(f.type)](f"{where}.{f.name}", raw[f.name]) for f in fields(cls)})
 
 
 def _from_raw(raw: Any) -> Any:

@@ -147,6 +147,10 @@ class Router:
                 "prefill_credit_tokens": self.prefill_gate.outstanding_tokens,
                 "prefill_waiting": self.prefill_gate.num_waiting, "local_queue_tokens": self.placer.local.total()}
 
+    def worker_healthy(self, worker_id: str) -> bool:
+        """Whether `worker_id` is in the pool with a fresh heartbeat (requests may go to it)."""
+        return self.pool is not None and self.pool.healthy(worker_id)
+
     def is_ready(self) -> bool:
         """Whether requests can be served now (gRPC health, HTTP /health)."""
         return self.pool is not None and self.pool.all_healthy(self.serving_roles)

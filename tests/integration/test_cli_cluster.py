@@ -131,8 +131,9 @@ def test_status_scale_and_replacement(tmp_path, hf_tiny):
 
         grow = pdserve("scale", str(config), "--decode", "2", tmp_path=tmp_path, timeout=300)
         assert grow.returncode == 0, grow.stderr
-        assert "decode: 2 workers; added decode-1" in grow.stdout
-        wait_for(lambda: all(w["healthy"] for w in status(config, tmp_path)["workers"]), "decode-1 healthy")
+        assert "decode: 2 workers; added decode-1 (serving)" in grow.stdout
+        # scale returned once the router had decode-1's heartbeat: status shows it healthy at once
+        assert all(w["healthy"] for w in status(config, tmp_path)["workers"]), status(config, tmp_path)["workers"]
         concurrent_mix_matches_hf(port, hf_tiny)
         cached = {w["worker_id"]: w["kv_pages"]["cached"] for w in status(config, tmp_path)["workers"]}
         assert cached["decode-1"] > 0, cached  # the new worker took traffic (its prefix cache kept the pages)

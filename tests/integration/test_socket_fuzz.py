@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import math
 import random
 import time
@@ -324,6 +325,27 @@ def test_a_forged_prefill_pushes_no_kv_to_the_address_it_names(cluster, hf_tiny)
     out = cluster.stub.GenerateUnary(req, timeout=60)
     assert list(out.token_ids) == hf_greedy(hf_tiny, prompt, 12)[0]
     cluster.wait_pages_free()
+
+
+def test_a_signed_malformed_command_is_answered_with_an_error_naming_its_bad_field(cluster):
+    """A correctly signed ReserveKV whose sampling.max_tokens is a string: the decode worker
+    cannot take it, and says so to the router at once (Failed, stage "command", naming the
+    field), so the request fails now instead of waiting out its deadline."""
+    decode = next(h for h in cluster.hosts if h.role == "decode")
+    rid = "malformed-field"
+    events = on_router_loop(cluster, lambda: cluster.router.pool.subscribe(rid))
+    sampling = {**dataclasses.asdict(wm.Sampling(max_tokens=4)), "max_tokens": "four"}
+    bad = msgpack.packb({**TEMPLATES[5], "request_id": rid, "sampling": sampling})
+    sock = push(decode.command_address)
+    try:
+        sock.send_multipart(FrameSigner(cluster.secret, "router").wrap(decode.command_address, bad))
+        failed = on_router_loop(cluster, lambda: asyncio.wait_for(events.get(), 10))
+        assert isinstance(failed, wm.Failed) and (failed.worker_id, failed.stage) == (decode.worker_id, "command")
+        assert "malformed command: ReserveKV.sampling.max_tokens must be an int" in failed.reason
+    finally:
+        on_router_loop(cluster, lambda: cluster.router.pool.unsubscribe(rid))
+        sock.close()
+    assert decode.alive() and decode.page_stats()["referenced"] == 0
 
 
 class _Pools:

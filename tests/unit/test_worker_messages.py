@@ -41,7 +41,7 @@ def packed(**raw) -> bytes:
     (packed(type="Abort"), "fields"),
     (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling=5), "sampling must be a map"),
     (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling={"bogus": 1}),
-     "Sampling fields"),
+     r"sampling \(Sampling\): missing fields"),
     (packed(type="Abort", request_id={}), "request_id must be a string"),
     (packed(type="Abort", request_id="x" * 257), "at most 256 characters"),
     (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1, "2"], lease_s=1.0, sampling={}), "must be an int"),
@@ -79,3 +79,16 @@ def packed(**raw) -> bytes:
 def test_malformed_messages_raise_value_error(data, reason):
     with pytest.raises(ValueError, match=reason):
         wm.decode(data)
+
+
+def test_a_bad_field_is_named_with_its_path_and_a_bad_shape_with_what_is_missing():
+    sampling = {**dataclasses.asdict(SAMPLING), "max_tokens": "four"}
+    with pytest.raises(ValueError, match=r"^ReserveKV\.sampling\.max_tokens must be an int"):
+        wm.decode(packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling=sampling))
+    short = {k: v for k, v in dataclasses.asdict(SAMPLING).items() if k != "seed"}
+    with pytest.raises(ValueError, match=r"^ReserveKV\.sampling \(Sampling\): missing fields \['seed'\]$"):
+        wm.decode(packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling=short))
+    with pytest.raises(ValueError, match=r"Abort \(Abort\): unknown fields \['extra'\]"):
+        wm.decode(packed(type="Abort", request_id="r", extra=1))
+    assert wm.request_id_of(packed(type="ReserveKV", request_id="r-7", sampling=sampling)) == "r-7"
+    assert wm.request_id_of(b"\xc1 not msgpack") is None and wm.request_id_of(packed(type="Abort", request_id={})) is None
