@@ -75,7 +75,7 @@ def test_cli_bench_over_openai_http_writes_json_csv_and_pngs(served, tmp_path, c
     assert main(["bench", "plot", str(tmp_path / "tiny-http.json"), str(tmp_path / "grpc" / "tiny-grpc.json"),
                  "--out", str(tmp_path / "overlay")]) == 0
     assert sorted(p.name for p in (tmp_path / "overlay").iterdir()) == [
-        "attainment_vs_rate.png", "attainment_vs_slo_scale.png", "latency_cdf.png"]
+        "attainment_vs_rate.png", "attainment_vs_slo_scale.png", "latency_cdf.png", "stages.png"]
 
 
 def test_throughput_burst_and_unreachable_targets(served, tmp_path):
