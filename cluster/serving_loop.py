@@ -152,26 +152,36 @@ def _take(role: WorkerRole, verifier: FrameVerifier, message: list[bytes], on_re
     command that names a request but cannot be taken (a malformed field, a message this role does
     not take, an error handling it) is answered with Failed(stage "command") naming why, so the
     router fails that request at once instead of waiting for its deadline."""
-    where, command, request_id = verifier.audience, None, None
+    where, command, payload = verifier.audience, None, None
     try:
         sender, parts = verifier.verify(message)  # nothing is parsed before this
         if len(parts) != 1:
             raise ValueError(f"a command is one part after its signature, not {len(parts)}")
-        request_id = wm.request_id_of(bytes(parts[0]))  # signed: the router's own id, worth answering
-        command = wm.decode(bytes(parts[0]))
+        payload = bytes(parts[0])  # signed: its request id is the router's own, worth answering
+        command = wm.decode(payload)
         role.handle(command)
     except AuthError as exc:  # not from this cluster's router: no request id worth believing
         on_reject("commands", exc.reason)
         log.warning("refused a command on %s (%s): %s", where, exc.reason, str(exc)[:200])
     except ValueError as exc:  # malformed, or a message this role does not take
+        request_id = _request_id(command, payload)
         on_reject("commands", "malformed" if command is None else "refused")
         log.warning("dropped a bad command on %s (request %s): %s", where, request_id, str(exc)[:200])
         _answer(emit, request_id, role.worker_id,
                 f"{'malformed' if command is None else 'refused'} command: {str(exc)[:wm.MAX_TEXT_CHARS - 100]}")
     except Exception as exc:  # noqa: BLE001 - one command never ends the loop
+        request_id = _request_id(command, payload)
         on_reject("commands", "error")
         log.error("command on %s (request %s) failed: %s: %s", where, request_id, type(exc).__name__, exc)
         _answer(emit, request_id, role.worker_id, f"command failed: {type(exc).__name__}: {str(exc)[:1000]}")
+
+
+def _request_id(command: object, payload: bytes | None) -> str | None:
+    """The failed command's request id: the decoded one, else read from the signed payload
+    (only on this error path: a good command is parsed once)."""
+    if command is not None:
+        return getattr(command, "request_id", None)
+    return None if payload is None else wm.request_id_of(payload)
 
 
 def _answer(emit: Callable[[object], None], request_id: str | None, worker_id: str, reason: str) -> None:

@@ -328,8 +328,8 @@ def respond(j: Journey, stream: Stream, new_ids: list[int], reason: str | None,
     """The client's next message for `new_ids` (None when there is nothing to send yet);
     `logprobs`, one per id, travel with them when the request asked."""
     logprobs = logprobs or []
-    if stream.ttft is None and new_ids:
-        stream.ttft = stream.stages.mark_first_token()
+    if new_ids:
+        stream.stages.mark_first_token()  # set once: later tokens leave it
     if len(new_ids) == 1 or not stream.stops.stop:
         text = stream.stops.push(stream.detok.push(new_ids))
     else:

@@ -86,10 +86,14 @@ class Stream:
     detok: IncrementalDetokenizer
     stops: StopStringMatcher
     stages: StageClock = field(default_factory=StageClock)  # its TTFT's stages (router/ttft_stages.py)
-    ttft: float | None = None
     generated: list[int] = field(default_factory=list)
     num_cached: int = 0
     spec_counts: dict[int, tuple[int, int]] = field(default_factory=dict)  # attempt -> (proposed, accepted)
     placement: str = ""  # where the last attempt computed the prompt (router/placement/): Usage.placement
     ended: bool = False  # the client got a finish reason
     done: bool = False  # ... and it was not "abort": the workers freed what they held themselves
+
+    @property
+    def ttft(self) -> float | None:
+        """Arrival to the first token sent to the client (None before it)."""
+        return self.stages.ttft_s

@@ -55,6 +55,10 @@ class StageClock:
             self.first_token = time.monotonic() if now is None else now
         return self.first_token - self.start
 
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
     def mark_kv_sent(self, now: float | None = None) -> None:
         if self.kv_sent is None and self.first_token is not None:
             self.kv_sent = time.monotonic() if now is None else now
