@@ -18,6 +18,7 @@ from cluster.cpu_priority import compute_threads, lower_priority
 from cluster.gc_policy import tune_for_serving
 from cluster.specs import NODE_IP, WorkerSpec
 from configs import LoggingConfig, setup_logging
+from proto.flight.signals import install_sigusr1
 from router.spec import RouterSpec
 from router.worker_pool import WorkerEndpoint
 
@@ -35,6 +36,8 @@ class WorkerActor:
             spec = replace(spec, host=ray.util.get_node_ip_address())
         self.host = WorkerHost(spec)
         self.host.start()
+        if spec.flight.enabled:
+            install_sigusr1(spec.flight.dump_dir)  # `kill -USR1 <pid>` dumps its flight recorder
 
     def ready(self) -> WorkerSpec:
         """This worker's spec with the host it bound: the command address the router sends to,
@@ -57,8 +60,17 @@ class WorkerActor:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), "alive": self.host.alive(),
                 **self.host.state()}
 
+    def flight_dump(self) -> tuple[str, str]:
+        """(this worker's id, its flight recorder dump as text) for `pdserve debug dump`."""
+        return self.host.worker_id, self.host.flight_dump("pdserve debug dump")
+
     def stop(self) -> None:
         self.host.stop()
+
+    def held_request_ids(self) -> list[str]:
+        """Every request id this worker still holds anything for (WorkerHost.held_request_ids),
+        sorted; empty once every request has ended (benchmarks/soak.py checks it on a live cluster)."""
+        return sorted(self.host.held_request_ids())
 
 
 @ray.remote
@@ -70,6 +82,8 @@ class RouterActor:
         tune_for_serving()
         lower_priority(spec.router.nice)  # before its threads start: they inherit it
         self.router = Router(spec)
+        if spec.flight.enabled:
+            install_sigusr1(spec.flight.dump_dir)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="pdserve-router", daemon=True)
         self.thread.start()
@@ -99,6 +113,10 @@ class RouterActor:
     def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         return self._on_loop(self.router.drain_worker(worker_id, timeout_s), timeout_s + 10)
 
+    def flight_dump(self) -> tuple[str, str]:
+        """("router", the router's flight recorder dump as text) for `pdserve debug dump`."""
+        return "router", self.router.flight_dump("pdserve debug dump")
+
     @staticmethod
     async def _async(fn, *args):
         return fn(*args)
@@ -112,3 +130,9 @@ class RouterActor:
             asyncio.run_coroutine_threadsafe(self.http.stop(), self.loop).result(10)
         asyncio.run_coroutine_threadsafe(self.router.stop(0.5), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def held(self) -> dict:
+        """What the router holds for requests now (Router.held, read on its event loop), the ids
+        sorted: empty and 0 once every request has ended (benchmarks/soak.py checks it)."""
+        held = self._on_loop(self._async(self.router.held))
+        return {**held, "request_ids": sorted(held["request_ids"])}

@@ -9,6 +9,7 @@ status --json` as control_rejected):
     {"op": "status"}                                   -> {"ok": true, "status": {...}}
     {"op": "scale", "sizes": {"decode": 2}, "drain_timeout_s": 60}
                                                        -> {"ok": true, "changes": [...]}
+    {"op": "flight_dump"}                              -> {"ok": true, "dumps": {process: text}, "missing": {process: why}}
     anything that fails                                -> {"ok": false, "error": "why"}
 Requests are served one at a time on a thread of the `up` process (a scale that drains waits
 for its requests; a status sent meanwhile answers after it).
@@ -98,7 +99,12 @@ class ControlServer:
                 drain_s = float(request.get("drain_timeout_s", 60.0))
                 return {"ok": True, "changes": [self.pools.scale(role, int(size), drain_s)
                                                 for role, size in sizes.items()]}
-            raise ScaleError(f"unknown control op {op!r}; expected 'status' or 'scale'")
+            if op == "flight_dump":
+                from cluster.flight_dumps import collect
+
+                dumps, missing = collect(self.pools.cluster)
+                return {"ok": True, "dumps": dumps, "missing": missing}
+            raise ScaleError(f"unknown control op {op!r}; expected 'status', 'scale' or 'flight_dump'")
         except (ScaleError, ValueError, TypeError, msgpack.UnpackException) as exc:
             return {"ok": False, "error": str(exc)}
         except Exception as exc:
@@ -111,7 +117,7 @@ def control_request(address: str, request: dict, timeout_s: float, secret: Clust
     PermissionError when the answer is not signed under `secret`."""
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # a status of many workers
+    sock.setsockopt(zmq.MAXMSGSIZE, 256 << 20)  # a status of many workers, or their flight recorder dumps
     try:
         sock.connect(f"tcp://{address}")
         sock.send_multipart(FrameSigner(secret, "cli").wrap(address, msgpack.packb(request, use_bin_type=True)))

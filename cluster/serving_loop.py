@@ -21,6 +21,7 @@ from typing import Protocol
 import zmq
 
 from proto import worker_messages as wm
+from proto.flight.recorder import IN, OUT, UNRECORDED, FlightRecorder
 from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifier
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,10 @@ class EventSink:
     4.40-4.47 against 4.26-4.27 req/s."""
 
     def __init__(self, router_event_address: str, secret: ClusterSecret, name: str,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, recorder: FlightRecorder | None = None) -> None:
+        """`recorder`: keeps every request's event sent (proto/flight/); the heartbeat's twin has none."""
         self.address, self.name, self._secret = router_event_address, name, secret
+        self.recorder = recorder
         self._signer = FrameSigner(secret, name)
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -67,10 +70,13 @@ class EventSink:
         return EventSink(self.address, self._secret, self.name)
 
     def emit(self, message: object) -> None:
+        encoded = wm.encode(message)
+        if self.recorder is not None and type(message).__name__ not in UNRECORDED:
+            self.recorder.message(OUT, "router", getattr(message, "request_id", None), encoded)
         if self._held is None:
-            self._send([wm.encode(message)])
+            self._send([encoded])
             return
-        self._held.append(wm.encode(message))
+        self._held.append(encoded)
         if len(self._held) >= MAX_EVENTS_PER_FRAME:
             self._send(self._held)
             self._held = []
@@ -132,7 +138,7 @@ def serve(
                         message = sock.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    _take(role, verifier, message, on_reject, events.emit)
+                    _take(role, verifier, message, on_reject, events.emit, events.recorder)
             with events.batch() if role.batch_events else contextlib.nullcontext():  # one frame a step
                 busy = role.step()
             role.publish()  # the heartbeat thread and status reads see this turn's state
@@ -147,7 +153,7 @@ def serve(
 
 
 def _take(role: WorkerRole, verifier: FrameVerifier, message: list[bytes], on_reject: OnReject,
-          emit: Callable[[object], None]) -> None:
+          emit: Callable[[object], None], recorder: FlightRecorder | None = None) -> None:
     """One received command to the role, or dropped, logged and counted with why. A signed
     command that names a request but cannot be taken (a malformed field, a message this role does
     not take, an error handling it) is answered with Failed(stage "command") naming why, so the
@@ -158,7 +164,11 @@ def _take(role: WorkerRole, verifier: FrameVerifier, message: list[bytes], on_re
         if len(parts) != 1:
             raise ValueError(f"a command is one part after its signature, not {len(parts)}")
         payload = bytes(parts[0])  # signed: its request id is the router's own, worth answering
-        command = wm.decode(payload)
+        try:
+            command = wm.decode(payload)
+        finally:  # recorded before it is handled, a refused one too: a dump shows what came in
+            if recorder is not None:
+                recorder.message(IN, "router", _request_id(command, payload), payload)
         role.handle(command)
     except AuthError as exc:  # not from this cluster's router: no request id worth believing
         on_reject("commands", exc.reason)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from configs import ClusterConfig, EngineConfig
 from configs.cluster import PoolConfig
+from configs.flight_recorder import FlightRecorderConfig
 from proto.frame_auth import ClusterSecret
 from router.security import FrontDoorSecurity
 from router.spec import RouterSpec
@@ -56,6 +57,7 @@ class WorkerSpec:
     nice: int = 0  # pool.nice: this worker's niceness (cluster/cpu_priority.py)
     peak_tflops: float | None = None  # what MFU / MBU are measured against (None = measured at start)
     peak_memory_bandwidth_gbps: float | None = None
+    flight: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)  # the YAML's flight_recorder
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -144,7 +146,7 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
         shard_store_address=None,  # placed groups learn their store's node first (worker_launch.py)
         metrics_port=pool.metrics_base_port + index if pool.metrics_base_port is not None else None,
         peak_tflops=pool.peak_tflops, peak_memory_bandwidth_gbps=pool.peak_memory_bandwidth_gbps,
-        num_threads=pool.num_threads_per_worker, nice=pool.nice)
+        num_threads=pool.num_threads_per_worker, nice=pool.nice, flight=config.flight_recorder)
 
 
 def router_spec(config: ClusterConfig, model_dir: str, endpoints: list[WorkerEndpoint], router_host: str,
@@ -161,7 +163,8 @@ def router_spec(config: ClusterConfig, model_dir: str, endpoints: list[WorkerEnd
         event_address=f"{router_host}:{config.router.worker_event_port}", cluster_secret=secret, router=config.router,
         kv_timeout_s=config.kv_transfer.timeout_s, lease_s=config.kv_transfer.reservation_lease_s,
         max_model_len=min(limits) if limits else None, default_timeout_s=default_timeout_s, page_size=page_size,
-        security=FrontDoorSecurity.load(config.router) if security is None else security)
+        security=FrontDoorSecurity.load(config.router) if security is None else security,
+        flight=config.flight_recorder)
 
 
 def model_cache_dir(config: ClusterConfig) -> str | None:

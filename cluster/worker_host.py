@@ -35,6 +35,8 @@ from engine.parallel.layout import ShardGroup, ShardLayout
 from engine.parallel.shard_follower import group_backend
 from prefill_worker.worker import PrefillWorker
 from proto import worker_messages as wm
+from proto.flight.dump import render
+from proto.flight.recorder import FlightRecorder
 
 log = logging.getLogger(__name__)
 Emit = Callable[[object], None]
@@ -65,6 +67,11 @@ class WorkerHost:
         # (set_kv_destinations), so nothing is pushed anywhere before then.
         self.kv_destinations = KVDestinations()
         self.rejections = RejectedMessages()  # internal messages the loops dropped, by (socket, reason)
+        # Its commands, events and state changes per request (proto/flight/): dumped on SIGUSR1 or
+        # `pdserve debug dump`; the header is what `pdserve replay` rebuilds this role from.
+        self.recorder = FlightRecorder(spec.role, spec.worker_id, spec.flight.capacity, header={
+            "engine": spec.engine.model_dump(mode="json"), "kv_address": spec.kv_address}) \
+            if spec.flight.enabled else None
         self._role = None  # the role object, once the serving thread made it
         self.engine: LLMEngine | None = None
         self.metrics: WorkerMetrics | None = None
@@ -128,6 +135,10 @@ class WorkerHost:
         from any thread); empty once every request has ended: what a leak check asserts."""
         return self.engine.snapshot.request_ids | getattr(self._role, "held_ids", frozenset())
 
+    def flight_dump(self, reason: str = "asked") -> str:
+        """This worker's flight recorder dump (proto/flight/dump.py), as text; "" when it has none."""
+        return "" if self.recorder is None else render(self.recorder, reason)
+
     def rejected_messages(self) -> dict[tuple[str, str], int]:
         """(socket, reason) -> messages dropped: the loops' counts plus the role's refused
         commands (a prefill worker's unknown KV destinations). Safe from any thread."""
@@ -161,11 +172,13 @@ class WorkerHost:
         # Sockets are created, used and closed on this thread only (ZMQ sockets are not
         # thread-safe).
         secret = self.spec.cluster_secret
-        events = EventSink(self.spec.router_event_address, secret, self.worker_id)
+        events = EventSink(self.spec.router_event_address, secret, self.worker_id, recorder=self.recorder)
         closers = [events.close]
         try:
             role = self._role = self._make_role(self._event_tap(events.emit) if self._event_tap else events.emit,
                                                 closers)
+            if self.recorder is not None:
+                role.log.tap = self.recorder.state
             serve(role, self.command_address, events, self._load(role), self._stop, secret,
                   on_reject=self.rejections.count, on_ready=self._ready.set, notices=self._block_notices)
         except BaseException as exc:  # noqa: BLE001 - the serving loop died, so the worker is dead

@@ -6,7 +6,9 @@ Imports nothing from the project.
 
 from configs.cluster import ClusterConfig, ConfigError, load_cluster_config
 from configs.engine import EngineConfig, EngineSettings
+from configs.flight_recorder import FlightRecorderConfig
 from configs.logging_setup import EventLog, LoggingConfig, setup_logging
 
-__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "EngineSettings", "EventLog", "LoggingConfig",
+__all__ = ["ClusterConfig", "ConfigError", "EngineConfig", "EngineSettings", "EventLog", "FlightRecorderConfig",
+           "LoggingConfig",
            "load_cluster_config", "setup_logging"]

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from configs.engine import EngineConfig, EngineSettings
+from configs.flight_recorder import FlightRecorderConfig
 from configs.logging_setup import LoggingConfig
 
 
@@ -242,6 +243,7 @@ class ClusterConfig(_Strict):
     kv_transfer: KVTransferConfig = KVTransferConfig()
     ray: RayConfig = RayConfig()
     logging: LoggingConfig = LoggingConfig()
+    flight_recorder: FlightRecorderConfig = FlightRecorderConfig()
     # The key every internal message is signed with (README "Security"): a path, never the secret
     # itself. None = $PDSERVE_CLUSTER_SECRET, else one made by `pdserve up` (cluster/cluster_secret.py).
     cluster_secret_file: str | None = Field(None, min_length=1, description="file holding the cluster's secret "

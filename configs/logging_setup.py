@@ -16,6 +16,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -97,8 +98,12 @@ class EventLog:
     def __init__(self, component: str, worker_id: str | None = None) -> None:
         self.component, self.worker_id = component, worker_id
         self.logger = logging.getLogger(f"{LOGGER_PREFIX}.{component}")
+        # Sees every event, whatever the log level: the flight recorder's state changes (proto/flight/).
+        self.tap: Callable[[str, str | None, dict[str, Any]], None] | None = None
 
     def event(self, name: str, request_id: str | None = None, level: int = logging.INFO, **fields: Any) -> None:
+        if self.tap is not None:
+            self.tap(name, request_id, fields)
         if not self.logger.isEnabledFor(level):
             return
         self.logger.log(level, "%s", name, extra={

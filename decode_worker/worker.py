@@ -120,7 +120,7 @@ class DecodeWorker:
             elif outcome.first_token is None:
                 self._fail(outcome.request_id, "transfer", "KV transfer done without a first token")
             else:
-                self.log.event("transfer_received", outcome.request_id)
+                self.log.event("transfer_received", outcome.request_id, first_token=outcome.first_token)
                 self._join(outcome.request_id, outcome.first_token)
         if not self.engine.has_unfinished_requests():
             return ahead

@@ -300,6 +300,12 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     return cls(**{f.name: _CHECKS[str(f.type)](f"{where}.{f.name}", raw[f.name]) for f in fields(cls)})
 
 
+def from_map(raw: Any) -> Any:
+    """A message from its decoded map (with its "type"), checked as `decode` checks it: what a
+    flight recorder dump (proto/flight/dump.py) is read back with. Takes the map's "type" out."""
+    return _from_raw(raw)
+
+
 def _from_raw(raw: Any) -> Any:
     if not isinstance(raw, dict) or raw.get("type") not in MESSAGE_TYPES:
         raise ValueError(f"not a worker message: {str(raw)[:80]}")

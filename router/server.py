@@ -24,6 +24,10 @@ from grpc_reflection.v1alpha import reflection
 from configs.logging_setup import EventLog
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
+from proto.flight.dump import render as render_dump
+from proto.flight.dump import write as write_dump
+from proto.flight.overrun import DeadlineWatch
+from proto.flight.recorder import FlightRecorder
 from router.in_flight import InFlight
 from router.journey import run_journey
 from router.journey_state import JourneySettings, RouterError
@@ -86,6 +90,14 @@ class Router:
         self.metrics = RouterMetrics(SloTargets.from_ms(cfg.slo_ttft_ms, cfg.slo_tpot_ms), cfg.slo_window_s)
         self.in_flight = InFlight(cfg.max_queued_requests, cfg.max_queued_prompt_tokens, self.metrics.in_flight)
         self.log = EventLog("router")
+        flight = spec.flight
+        # Every command sent, request event taken and state change, per request (proto/flight/):
+        # dumped on SIGUSR1, `pdserve debug dump`, and when a request outlives its deadline.
+        self.recorder = FlightRecorder("router", None, flight.capacity, header={
+            "model_dir": spec.model_dir, "mode": spec.mode}) if flight.enabled else None
+        if self.recorder is not None:
+            self.log.tap = self.recorder.state
+        self.overdue = DeadlineWatch(flight.overrun_grace_s) if flight.enabled and flight.dump_on_overrun else None
         self.pool: WorkerPool | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -96,7 +108,7 @@ class Router:
         rejected = self.metrics.rejected_messages
         self.pool = WorkerPool(self.endpoints, self.event_address, self.spec.cluster_secret, self.heartbeat_timeout_s,
                                on_reject=lambda reason: rejected.labels("worker_events", reason).inc(),
-                               page_size=self.spec.page_size)
+                               page_size=self.spec.page_size, recorder=self.recorder)
         self.pool.start()
         self.metrics.watch_kv_links(self.pool.link_states)
         security = self.spec.security
@@ -196,12 +208,33 @@ class Router:
                 "recent_p90": self.metrics.slo_window.latency(0.9)}
 
     async def _watch_health(self) -> None:
+        turn = 0
         while True:
             status = health_pb2.HealthCheckResponse.SERVING if self.is_ready() else \
                 health_pb2.HealthCheckResponse.NOT_SERVING
             for name in ("", SERVICE_NAME):
                 await self.health.set(name, status)
+            turn += 1
+            if turn % 5 == 0 and self.overdue is not None:  # about once a second
+                for request_id, late_s in self.overdue.overdue():
+                    await self._dump_overrun(request_id, late_s)
             await asyncio.sleep(0.2)
+
+    async def _dump_overrun(self, request_id: str, late_s: float) -> None:
+        """A request still held `late_s` past its deadline: a hang. The ring goes to a file (off
+        the event loop) and the log says where."""
+        assert self.recorder is not None
+        try:
+            path = await asyncio.to_thread(write_dump, self.recorder, self.spec.flight.dump_dir,
+                                           f"overrun {request_id}")
+        except OSError as exc:
+            self.log.event("overrun", request_id, level=logging.ERROR, late_s=round(late_s, 3), dump_error=str(exc))
+            return
+        self.log.event("overrun", request_id, level=logging.ERROR, late_s=round(late_s, 3), dump=str(path))
+
+    def flight_dump(self, reason: str = "asked") -> str:
+        """The router's flight recorder dump (proto/flight/dump.py) as text; "" when it has none."""
+        return "" if self.recorder is None else render_dump(self.recorder, reason)
 
     async def generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -253,6 +286,8 @@ class Router:
         num_tokens = 0
         finished = False
         admitted = self.in_flight.admit(len(journey.prompt))  # ended in the finally below, whatever happens
+        if self.overdue is not None:
+            self.overdue.start(rid, journey.deadline)
         try:
             async for response in run_journey(journey, self.pool, self.policy, self.tokenizer, self.settings,
                                               on_dispatch=dispatched, gate=self.prefill_gate, placer=self.placer):
@@ -293,6 +328,8 @@ class Router:
         finally:
             self.live_ids.end(journey.client_id, rid)
             admitted.end()
+            if self.overdue is not None:
+                self.overdue.end(rid)
 
 
     def _predicted_ttft_s(self, prompt: tuple[int, ...]) -> float | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from configs.cluster import RouterConfig
+from configs.flight_recorder import FlightRecorderConfig
 from proto.frame_auth import ClusterSecret
 from router.security import FrontDoorSecurity
 from router.worker_pool import WorkerEndpoint
@@ -38,6 +39,7 @@ class RouterSpec:
     # The API key and TLS files `router` asks for, resolved where the spec is built
     # (FrontDoorSecurity.load): the router never reads the YAML's environment variable itself.
     security: FrontDoorSecurity = field(default_factory=FrontDoorSecurity)
+    flight: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)  # the YAML's flight_recorder
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):

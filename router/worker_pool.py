@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from proto import worker_messages as wm
+from proto.flight.recorder import IN, OUT, UNRECORDED, FlightRecorder
 from proto.frame_auth import AuthError, ClusterSecret, FrameSigner, FrameVerifier
 from router.placement.block_index import BlockIndex
 from router.placement.cost_model import LinkCost
@@ -82,10 +83,12 @@ class _Worker:
 class WorkerPool:
     def __init__(self, endpoints: list[WorkerEndpoint], event_address: str, secret: ClusterSecret,
                  heartbeat_timeout_s: float = 3.0, on_reject: Callable[[str], None] = lambda reason: None,
-                 page_size: int = 16) -> None:
+                 page_size: int = 16, recorder: FlightRecorder | None = None) -> None:
         """`secret`: the cluster's, signing every command and checking every event;
         `on_reject(reason)`: a dropped event was counted (the router's metrics); `page_size`:
-        the engines' KV page size, which the KV block index hashes prompts by."""
+        the engines' KV page size, which the KV block index hashes prompts by; `recorder`: keeps
+        every command sent and request event taken (proto/flight/)."""
+        self.recorder = recorder
         self.blocks = BlockIndex(page_size)  # which worker caches which pages (KVBlocks events)
         self._ctx = zmq.asyncio.Context.instance()
         self._secret = secret
@@ -279,7 +282,10 @@ class WorkerPool:
         worker = self._workers.get(worker_id)
         if worker is None:
             raise LookupError(f"worker {worker_id} has left the pool")
-        await worker.commands.send_multipart(worker.signer.wrap(worker.endpoint.command_address, wm.encode(message)))
+        encoded = wm.encode(message)
+        if self.recorder is not None:
+            self.recorder.message(OUT, worker_id, getattr(message, "request_id", None), encoded)
+        await worker.commands.send_multipart(worker.signer.wrap(worker.endpoint.command_address, encoded))
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -310,7 +316,11 @@ class WorkerPool:
                 continue
             for part in parts:  # a worker's step sends its events as one frame, one part each
                 try:
-                    self._dispatch(wm.decode(bytes(part)))
+                    event = bytes(part)
+                    msg = wm.decode(event)
+                    if self.recorder is not None and type(msg).__name__ not in UNRECORDED:
+                        self.recorder.message(IN, msg.worker_id, msg.request_id, event)
+                    self._dispatch(msg)
                 except ValueError as exc:
                     self.reject("malformed", str(exc))
                 except Exception as exc:  # noqa: BLE001 - the pump outlives any one event

@@ -80,6 +80,7 @@ def write_config(tmp_path: Path, mode: str, transport: str = "zmq", engines: dic
     cfg["router"].update(grpc_port=free_port(), worker_event_port=free_port(), http_port=free_port(),
                          control_port=free_port())
     cfg["logging"] = {"format": "json"}
+    cfg["flight_recorder"] = {"dump_dir": str(tmp_path / "flight-signals")}  # SIGUSR1 and overrun dumps
     if mode == "disaggregated":
         cfg["kv_transfer"].update(transport=transport, dist_port=free_port())
     for role in ("prefill", "decode", "colocated"):

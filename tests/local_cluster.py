@@ -64,10 +64,12 @@ class LocalCluster:
     def __init__(self, model_dir, mode: str, engine: EngineConfig, num_workers: int | dict[str, int] = 1,
                  ready_timeout_s: float = 60.0, metrics_peak: Peak | None = None,
                  crash_when: dict[str, Callable[[object], str | None]] | None = None,
-                 kv_timeout_s: float = 30.0, lease_s: float = 30.0, **router: object) -> None:
+                 kv_timeout_s: float = 30.0, lease_s: float = 30.0, flight: dict | None = None,
+                 **router: object) -> None:
         """`metrics_peak`: serve each worker's /metrics on a free port (`metrics_address`),
         measuring MBU / MFU against this peak; `num_workers` per role (or {role: n}); `crash_when`: worker id
-        -> when to crash it (tests/fault_injection.py); `router`: RouterConfig fields (SLOs,
+        -> when to crash it (tests/fault_injection.py); `flight`: the flight_recorder block;
+        `router`: RouterConfig fields (SLOs,
         retries, heartbeat timeout, queue bounds), validated as the YAML's would be.
 
         The cluster is described by a ClusterConfig and its processes' specs are built from it
@@ -84,6 +86,7 @@ class LocalCluster:
             "router": {"host": "127.0.0.1", "grpc_port": 1, "worker_event_port": free_port(), "control_port": 2,
                        **router},
             "kv_transfer": {"timeout_s": kv_timeout_s, "reservation_lease_s": lease_s, "checksum": True},
+            "flight_recorder": flight or {},
         })
         self.secret = ClusterSecret.generate()  # as `pdserve up` makes one: every internal message is signed
         self.hosts = []

@@ -57,6 +57,24 @@ def scrape_every_target(tmp_path: Path, mode: str) -> None:
             assert "pdserve_worker_decode_tokens_total" in text
 
 
+def flight_dumps_replay(config, tmp_path, mode: str, replay: bool) -> None:
+    """`pdserve debug dump` writes the router's and every worker's flight recorder; `pdserve replay`
+    re-drives the workers' into twins that end every request as recorded; SIGUSR1 dumps a worker."""
+    dumped = pdserve("debug", "dump", str(config), "--out", str(tmp_path / "flight"), tmp_path=tmp_path)
+    assert dumped.returncode == 0, dumped.stderr
+    workers = ["colocated-0"] if mode == "colocated" else ["decode-0", "prefill-0"]
+    assert sorted(p.name for p in (tmp_path / "flight").iterdir()) == sorted(
+        f"{name}.flight.jsonl" for name in ["router", *workers])
+    if replay:
+        replayed = pdserve("replay", str(tmp_path / "flight"), tmp_path=tmp_path)
+        assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+        assert " same" in replayed.stdout and "DIFFERENT" not in replayed.stdout
+    pid = next(w["pid"] for w in status(config, tmp_path)["workers"] if w["worker_id"] == workers[0])
+    os.kill(pid, signal.SIGUSR1)  # a worker process this test's cluster started
+    wait_for(lambda: list((tmp_path / "flight-signals").glob(f"{workers[0]}-{pid}-*SIGUSR1.flight.jsonl")),
+             "the SIGUSR1 dump", timeout_s=20)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "transport"),
                          [("disaggregated", "zmq"), ("disaggregated", "torch_dist"), ("colocated", "zmq")])
@@ -72,6 +90,7 @@ def test_up_generate_down(tmp_path, mode, transport, hf_tiny):
         assert "16 tokens, finish=FINISH_REASON_LENGTH" in reply.stderr
         concurrent_mix_matches_hf(yaml.safe_load(config.read_text())["router"]["grpc_port"], hf_tiny)
         scrape_every_target(tmp_path, mode)
+        flight_dumps_replay(config, tmp_path, mode, replay=transport == "zmq")
         twice = subprocess.run([sys.executable, "-m", "cluster.cli", "up", str(config)], capture_output=True,
                                text=True, timeout=60, env=env(tmp_path), cwd=REPO)
         assert twice.returncode != 0 and "already up" in twice.stderr
