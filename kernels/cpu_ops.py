@@ -10,18 +10,29 @@ The extension is compiled once per source, torch version and CPU (`-O3 -march=na
 cache built on one processor is never loaded on another) into `PDSERVE_EXT_DIR` (default
 ~/.cache/pdserve/ext). `load()` returns None, with the reason kept in `load_error()`, when the
 build fails; callers then use the torch ops.
+
+torch's builder guards a build directory with a `lock` file that a killed build leaves behind,
+and every later load (cached or not) then waits on it forever. pdserve processes take an
+flock of their own around the load (`_build_guard`): the kernel drops it when its holder dies,
+so whoever holds it knows any `lock` file there is a dead build's, and removes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import logging
 import os
 import platform
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in ("module.cpp", "paged_attention.cpp", "skinny_linear.cpp", "fused_ops.cpp",
@@ -67,17 +78,32 @@ def load(verbose: bool = False) -> ModuleType | None:
 
             directory = build_dir()
             directory.mkdir(parents=True, exist_ok=True)
-            _module = load_extension(
-                name="pdserve_cpu_attention",
-                sources=[str(p) for p in SOURCES],
-                build_directory=str(directory),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                extra_ldflags=["-fopenmp"],
-                verbose=verbose,
-            )
+            with _build_guard(directory):
+                _module = load_extension(
+                    name="pdserve_cpu_attention",
+                    sources=[str(p) for p in SOURCES],
+                    build_directory=str(directory),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                    extra_ldflags=["-fopenmp"],
+                    verbose=verbose,
+                )
         except Exception as exc:  # noqa: BLE001 - a missing compiler or ninja: serve on the torch path instead
             _error = f"{type(exc).__name__}: {exc}".strip()[:2000]
         return _module
+
+
+@contextlib.contextmanager
+def _build_guard(directory: Path) -> Iterator[None]:
+    """Held while this process loads (and maybe builds) the extension in `directory`: one pdserve
+    process at a time, the others wait here; a torch `lock` file found while holding it was left by
+    a build that died (every live one holds this flock), so it is removed instead of waited on."""
+    with open(directory / "pdserve-build.flock", "a+") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if the holder is killed
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("removing %s: a build of the CPU ops was killed before it finished", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def load_error() -> str | None:

@@ -548,3 +548,31 @@ def test_a_verifications_rows_are_attended_as_plain_decoding_attends_each(first_
         torch.cat([query, query[:1]]), k_cache, v_cache, torch.cat([same, other]),
         torch.arange(rows + 2, dtype=torch.int32), torch.tensor(lens + [first_len + 1], dtype=torch.int32), 0.125)
     assert not torch.equal(with_other[:rows], got)  # grouped: the group path's rounding
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_on(tmp_path):
+    """torch's `lock` file outlives a build killed mid-way, and every later load would wait on it
+    forever; under cpu_ops' own flock (which dies with its holder) it is known stale and removed.
+    A build still running holds the flock, so its lock is left alone (the guard waits instead)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    (tmp_path / "lock").write_text("")  # what `kill -9` of a building process leaves
+    with cpu_ops._build_guard(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    # Another process holds the guard (a live build): a non-blocking take fails, nothing is removed.
+    (tmp_path / "lock").write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True);"
+        " time.sleep(30)"), str(tmp_path / "pdserve-build.flock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "pdserve-build.flock", "a+") as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    with cpu_ops._build_guard(tmp_path):  # the holder died: its flock went with it
+        assert not (tmp_path / "lock").exists()
