@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from cluster import cmd_bench, cmd_cluster, cmd_debug, cmd_model, cmd_requests
+from cluster import cmd_advise, cmd_bench, cmd_cluster, cmd_debug, cmd_model, cmd_requests
 from cluster.client_auth import add_client_auth_args
 
 
@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cmd_model.add_model_commands(sub)
     cmd_debug.add_debug_commands(sub)
+    cmd_advise.add_advise_command(sub)
     return parser
 
 
