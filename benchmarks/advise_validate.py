@@ -1,0 +1,100 @@
+"""How close `pdserve advise` comes to real runs: measured goodput of each layout on three
+workloads against what the simulator predicted for the same request streams, on this machine.
+
+For each workload (chat: the mixed stream of benchmarks/pd_goodput.py; long: 1536-token prompts;
+prefix: 4 shared 512-token prefixes + 16-token suffixes) it runs `pdserve bench compare` over the
+layouts (cluster/bench_compare.py, each cluster up, driven, down), then profiles the model once
+(cluster/advise/profile.py) and predicts every layout on the stream that was sent. Prints, per
+workload and layout, measured and predicted goodput, the error, whether the ranking agrees, and
+how long advising took (profiling included once).
+
+    python benchmarks/advise_validate.py                     # 3 layouts x 3 workloads, ~12 min
+    python benchmarks/advise_validate.py --workloads chat --rate 2 --num-prompts 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+from cluster.advise.layouts import layout_of
+from cluster.advise.profile import profile
+from cluster.advise.report import Workload, advise
+from cluster.bench_compare import run_compare
+from loadgen.metrics import SLO
+from loadgen.runner import BenchPlan
+from loadgen.workloads import LengthDist, WorkloadSpec
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bench"
+LAYOUTS = ("colocated-small", "disagg-small", "disagg-adaptive-small")
+
+
+def workloads(num_prompts: int) -> dict[str, WorkloadSpec]:
+    return {
+        "chat": WorkloadSpec("mixed", num_prompts, LengthDist(64), LengthDist(32), seed=0, long_fraction=0.125,
+                             long_factor=16),
+        "long": WorkloadSpec("fixed", num_prompts, LengthDist(1536), LengthDist(32), seed=1),
+        "prefix": WorkloadSpec("prefix", num_prompts, LengthDist(512), LengthDist(32), seed=2, num_prefixes=4),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="chat,long,prefix", help="subset of chat,long,prefix")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="configs/bench YAML names")
+    parser.add_argument("--rate", type=float, default=2.0, help="Poisson requests/s (default 2)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per workload (default 32)")
+    parser.add_argument("--slo-ttft", type=float, default=2.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.15)
+    parser.add_argument("--out", default="bench-advise", help="results directory (default bench-advise)")
+    args = parser.parse_args()
+    slo = SLO(args.slo_ttft, args.slo_tpot)
+    names = [n.strip() for n in args.layouts.split(",")]
+    paths = [CONFIGS / f"{n}.yaml" for n in names]
+    specs = {k: v for k, v in workloads(args.num_prompts).items() if k in args.workloads.split(",")}
+    measured = {}
+    for key, spec in specs.items():
+        plan = BenchPlan(spec, (args.rate,), slo=slo)
+        results = run_compare(paths, plan, "grpc", Path(args.out) / key, progress=False)
+        measured[key] = dict(zip(names, results, strict=True))
+    start = time.perf_counter()
+    cores = os.cpu_count() or 1
+    layouts = [layout_of(p, cores) for p in paths]
+    costs = profile("builtin:small", {w.threads for layout in layouts for w in layout.workers}, budget=512)
+    costs.save(Path(args.out) / "costs.json")
+    profiled_s = time.perf_counter() - start
+    print(f"\npdserve advise against real runs ({args.num_prompts} requests at {args.rate:g}/s, SLO TTFT "
+          f"{args.slo_ttft:g} s, TPOT {args.slo_tpot * 1000:g} ms, {cores} cores, {costs.cpu}); profiling took "
+          f"{profiled_s:.1f} s")
+    print("| workload | layout | measured goodput | predicted | error | measured TTFT p50/p90 ms | predicted |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for key, by_layout in measured.items():
+        t0 = time.perf_counter()
+        advice = advise(layouts, costs, Workload.of(by_layout[names[0]]), slo)
+        took = time.perf_counter() - t0
+        real = {}
+        for name in names:
+            m = by_layout[name].runs[0].summary(slo)
+            p = advice.predictions[name, by_layout[name].runs[0].rate].summary
+            real[name] = m.goodput
+            err = (p.goodput - m.goodput) / m.goodput if m.goodput > 0 else math.nan
+            if math.isfinite(err):
+                worst = max(worst, abs(err))
+            print(f"| {key} | {name} | {m.goodput:.2f} | {p.goodput:.2f} | {err:+.0%} | "
+                  f"{m.ttft['p50'] * 1000:.0f}/{m.ttft['p90'] * 1000:.0f} | "
+                  f"{p.ttft['p50'] * 1000:.0f}/{p.ttft['p90'] * 1000:.0f} |")
+        ranked_real = sorted(names, key=lambda n: -real[n])
+        ranked_pred = sorted(names, key=lambda n: -advice.predictions[n, by_layout[n].runs[0].rate].summary.goodput)
+        print(f"|  {key}: ranking {'agrees' if ranked_real == ranked_pred else 'DIFFERS'} (measured "
+              f"{' > '.join(ranked_real)}; predicted {' > '.join(ranked_pred)}); recommended {advice.recommended}; "
+              f"simulated in {took:.2f} s | | | | | | |")
+    print(f"largest goodput error: {worst:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
