@@ -41,7 +41,7 @@ def advise(args: argparse.Namespace) -> int:
         assert pool is not None
         threads = {w.threads for layout in layouts for w in layout.workers}
         print(f"pdserve: profiling {first.model} at {', '.join(map(str, sorted(threads)))} thread(s) ...")
-        costs = profile(first.model, threads, budget=min(512, pool.engine.max_num_batched_tokens),
+        costs = profile(first.model, threads, budget=min(2048, pool.engine.max_num_batched_tokens),
                         dtype=pool.engine.dtype)
         if args.save_costs:
             costs.save(args.save_costs)

@@ -3,8 +3,10 @@ simulator (simulator.py), made by the profiler (profile.py) or read back from a 
 
 One step computes up to the engine's token budget of prompt tokens (chunked prefill) and one
 token for each running sequence, in one forward pass; its time is modelled as
-    fixed_s + per_prompt_token_s x prompt tokens + per_sequence_s x running sequences
-with the three terms fitted at each thread count a worker of a layout gets. A KV transfer costs
+    fixed_s + per_prompt_token_s x p + per_prompt_token2_s x p^2 + per_sequence_s x running sequences
+(p: the step's prompt tokens; the square term is what a long chunk costs beyond linear, its
+attention, measured: 2048-token chunks cost 1.5x a 512-token chunk's per token on builtin:small)
+with the terms fitted at each thread count a worker of a layout gets. A KV transfer costs
 latency_s + bytes / bytes_per_s over the link.
 """
 
@@ -20,13 +22,15 @@ class StepCost:
     fixed_s: float
     per_prompt_token_s: float
     per_sequence_s: float
+    per_prompt_token2_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if min(self.fixed_s, self.per_prompt_token_s, self.per_sequence_s) < 0:
+        if min(self.fixed_s, self.per_prompt_token_s, self.per_sequence_s, self.per_prompt_token2_s) < 0:
             raise ValueError(f"step costs cannot be negative: {self}")
 
     def step_s(self, prompt_tokens: int, sequences: int) -> float:
-        return self.fixed_s + self.per_prompt_token_s * prompt_tokens + self.per_sequence_s * sequences
+        return (self.fixed_s + self.per_prompt_token_s * prompt_tokens
+                + self.per_prompt_token2_s * prompt_tokens * prompt_tokens + self.per_sequence_s * sequences)
 
     def prefill_tokens_per_s(self, budget: int) -> float:
         """A worker's prefill rate on full chunks of `budget` tokens (what its heartbeat reports)."""

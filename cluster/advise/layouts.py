@@ -26,6 +26,7 @@ def layout_of(path: str | Path, cores: int) -> Layout:
         pool: PoolConfig | None = getattr(config, role)
         if pool is None:
             continue
-        shape = WorkerShape(role, worker_threads(pool), pool.engine.max_num_batched_tokens, pool.engine.max_num_seqs)
+        shape = WorkerShape(role, worker_threads(pool), pool.engine.max_num_batched_tokens, pool.engine.max_num_seqs,
+                            pool.engine.page_size)
         workers += [shape] * pool.num_workers
     return Layout(Path(path).stem, tuple(workers), cores, config.router.disaggregation)

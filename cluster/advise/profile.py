@@ -5,9 +5,9 @@ latency and bandwidth over loopback ZMQ.
 Per thread count: one engine (the model, its dtype, chunked prefill at `budget` tokens) times
   - prefill-only steps of a `budget // 4`- and a `budget`-token prompt (best of two each), and
   - decode-only steps of 1 and 16 running sequences (median of five each);
-the decode points give the fixed cost and the cost per sequence, the full-chunk prefill point
-the cost per prompt token (through that fixed cost, so a full chunk's time is exact). A few
-seconds a thread count on builtin:small.
+the decode points give the fixed cost and the cost per sequence, the two prefill points (over
+that fixed cost) the linear and square terms per prompt token, so both chunks' times are exact.
+About 10 s a thread count on builtin:small at a 2048-token budget.
 """
 
 from __future__ import annotations
@@ -85,8 +85,12 @@ def step_cost(model: str, threads: int, budget: int, dtype: str = "auto") -> Ste
         d1, d2 = (decode_s(b) for b in DECODE_BATCHES)
         per_seq = max(0.0, (d2 - d1) / (DECODE_BATCHES[1] - DECODE_BATCHES[0]))
         fixed = max(0.0, d1 - per_seq * DECODE_BATCHES[0])
-        per_token = max((p_full - fixed) / budget, (p_full - p_small) / (budget - budget // 4), 1e-9)
-        return StepCost(fixed, per_token, per_seq)
+        # (t - fixed) / p = a + c p at both points: a line through the two per-token costs.
+        small = budget // 4
+        per_small, per_full = (p_small - fixed) / small, (p_full - fixed) / budget
+        square = max(0.0, (per_full - per_small) / (budget - small))
+        linear = max(per_full - square * budget, 1e-9)
+        return StepCost(fixed, linear, per_seq, square)
     finally:
         engine.close()
         torch.set_num_threads(before)
@@ -135,14 +139,15 @@ def link_cost() -> LinkCost:
         pull.close(0)
 
 
-def profile(model: str, thread_counts: Iterable[int], budget: int = 512, dtype: str = "auto",
+def profile(model: str, thread_counts: Iterable[int], budget: int = 2048, dtype: str = "auto",
             say: Callable[[str], None] = print) -> Costs:
     by_threads = {}
     for threads in sorted(set(thread_counts)):
         start = time.perf_counter()
         by_threads[threads] = cost = step_cost(model, threads, budget, dtype)
         say(f"  {threads} thread{'s' if threads > 1 else ''}: step = {cost.fixed_s * 1e3:.1f} ms + "
-            f"{cost.per_prompt_token_s * 1e6:.0f} us/prompt token + {cost.per_sequence_s * 1e3:.2f} ms/sequence "
+            f"{cost.per_prompt_token_s * 1e6:.0f} us/prompt token (+ {cost.per_prompt_token2_s * 1e9:.0f} ns x tokens) + "
+            f"{cost.per_sequence_s * 1e3:.2f} ms/sequence "
             f"({time.perf_counter() - start:.1f} s)")
     link = link_cost()
     kv = kv_bytes_per_token(model, dtype)

@@ -24,12 +24,28 @@ class Workload:
 
     @classmethod
     def of(cls, result: BenchResult) -> Workload:
+        """The result's streams; with their prompts' token ids where the seeded workload it names
+        regenerates them (loadgen/workloads.py), so prefix-cache hits can be modelled."""
+        prompts = _prompts(result.workload)
         runs = []
         for run in result.runs:
             start = min((r.arrival for r in run.records), default=0.0)
-            runs.append((run.rate, tuple(Request(r.arrival - start, max(1, r.prompt_tokens), max(1, r.num_tokens))
-                                         for r in run.records)))
+            known = prompts if prompts and [len(p) for p in prompts] == [r.prompt_tokens for r in run.records] \
+                else [None] * len(run.records)
+            runs.append((run.rate, tuple(Request(r.arrival - start, max(1, r.prompt_tokens), max(1, r.num_tokens), p)
+                                         for r, p in zip(run.records, known, strict=True))))
         return cls(result.label, tuple(runs))
+
+
+def _prompts(workload: dict) -> list[tuple[int, ...]] | None:
+    from loadgen.workloads import LengthDist, WorkloadSpec, make_requests
+
+    try:
+        spec = WorkloadSpec(**{**workload, "input_len": LengthDist(**workload["input_len"]),
+                               "output_len": LengthDist(**workload["output_len"])})
+        return [r.prompt for r in make_requests(spec)]
+    except (KeyError, TypeError, ValueError):
+        return None  # not a pdserve workload spec: lengths only
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ And per request, the router (router/placement/):
     requests at that worker's next step) or local (that decode worker computes it), by
     `disaggregation`: always -> remote, never -> local, adaptive -> the router's own rule
     (router/placement/decide.py `choose`, fed the simulated queues and the measured rates).
-What it leaves out: attention's growth with context, the prefix cache, the router's own CPU,
+Where the requests' token ids are known, each worker has a prefix cache of whole pages
+(unbounded): a prompt computes only what its worker does not hold, and placement and decode
+routing see the hits, as the router's KV block index does. What it leaves out: attention's growth
+with context, cache eviction, the router's own CPU,
 and time-sharing finer than whole steps. Its requests come out as loadgen RequestRecords, so
 goodput and percentiles are computed exactly as `pdserve bench` computes them.
 """
@@ -40,6 +43,7 @@ class Request:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    prompt: tuple[int, ...] | None = None  # its token ids where known: prefix-cache hits are modelled then
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class WorkerShape:
     threads: int
     budget: int  # engine.max_num_batched_tokens
     max_seqs: int = 256  # engine.max_num_seqs
+    page_size: int = 16  # engine.page_size: the prefix cache holds whole pages
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class _Prompt:
     req: _Req
     left: int  # prompt tokens not computed yet
     decode_on: _Worker | None = None  # remote: where it decodes once its KV is there
+    started: bool = False  # its cache hit is looked up when its first chunk is scheduled, as the engine does
 
 
 @dataclass
@@ -86,6 +92,21 @@ class _Worker:
     waiting: deque[_Req] = field(default_factory=deque)  # prefilled elsewhere or here, no slot yet
     joining: int = 0  # remote requests placed here whose KV has not arrived
     busy: bool = False
+    cache: set[tuple[int, ...]] = field(default_factory=set)  # whole-page prompt prefixes held (unbounded)
+
+    def cached_tokens(self, prompt: tuple[int, ...] | None) -> int:
+        """Of `prompt`, the leading whole pages this worker's prefix cache holds."""
+        if prompt is None:
+            return 0
+        page, hit = self.shape.page_size, 0
+        while hit + page <= len(prompt) and prompt[: hit + page] in self.cache:
+            hit += page
+        return hit
+
+    def keep(self, prompt: tuple[int, ...] | None) -> None:
+        if prompt is not None:
+            page = self.shape.page_size
+            self.cache.update(prompt[:k] for k in range(page, len(prompt) + 1, page))
 
     def has_work(self) -> bool:
         return bool(self.prompts or self.running or self.waiting)
@@ -133,29 +154,37 @@ class Simulation:
         req.left = req.spec.output_tokens - 1
         n = req.spec.prompt_tokens
         by_role = {role: [w for w in self.workers if w.shape.role == role] for role in ("prefill", "decode", "colocated")}
+        prompt = req.spec.prompt
         if self.layout.colocated:
-            worker = min(by_role["colocated"], key=lambda w: (w.requests(), w.name))
-            worker.prompts.append(_Prompt(req, n))
+            worker = min(by_role["colocated"], key=lambda w: (-w.cached_tokens(prompt), w.requests(), w.name))
+            worker.prompts.append(_Prompt(req, self._uncached(worker, req)))
             self._count("colocated")
             return
-        decode = min(by_role["decode"], key=lambda w: (w.requests(), w.name))
+        # Remote KV goes to the decode worker holding the longest prefix, then the least busy
+        # (router/placement/: cache-aware decode routing).
+        decode = min(by_role["decode"], key=lambda w: (-w.cached_tokens(prompt), w.requests(), w.name))
         remotes = [RemoteOption(cost_model.PrefillSide(w.name, w.cost.prefill_tokens_per_s(w.shape.budget),
-                                                       w.queued_tokens()),
+                                                       w.queued_tokens(), w.cached_tokens(prompt)),
                                 cost_model.LinkCost(self.costs.link.latency_s, self.costs.link.bytes_per_s))
                    for w in by_role["prefill"]]
         locals_ = [cost_model.DecodeSide(w.name, w.cost.prefill_tokens_per_s(w.shape.budget),
-                                         w.cost.step_s(0, len(w.running)), w.queued_tokens(), len(w.running))
+                                         w.cost.step_s(0, len(w.running)), w.queued_tokens(), len(w.running),
+                                         w.cached_tokens(prompt))
                    for w in by_role["decode"]]
         placement = choose(self.settings, n, self.costs.kv_bytes_per_token, remotes, locals_)
         assert placement is not None  # every simulated worker is healthy
         self._count(placement.kind)
         if placement.kind in (LOCAL, SUFFIX):
             local = next(w for w in by_role["decode"] if w.name == placement.decode)
-            local.prompts.append(_Prompt(req, n))
+            local.prompts.append(_Prompt(req, self._uncached(local, req)))
             return
         prefill = next(w for w in by_role["prefill"] if w.name == placement.prefill)
         decode.joining += 1
-        prefill.prompts.append(_Prompt(req, n, decode_on=decode))
+        prefill.prompts.append(_Prompt(req, self._uncached(prefill, req), decode_on=decode))
+
+    @staticmethod
+    def _uncached(worker: _Worker, req: _Req) -> int:
+        return cost_model.uncached(req.spec.prompt_tokens, worker.cached_tokens(req.spec.prompt))
 
     def _count(self, kind: str) -> None:
         self.placements[kind] = self.placements.get(kind, 0) + 1
@@ -173,6 +202,9 @@ class Simulation:
         for prompt in w.prompts:
             if budget <= 0:
                 break
+            if not prompt.started:  # a prompt placed behind another with its prefix hits what that one left
+                prompt.started = True
+                prompt.left = cost_model.uncached(prompt.req.spec.prompt_tokens, w.cached_tokens(prompt.req.spec.prompt))
             take = min(budget, prompt.left)
             chunks.append((prompt, take))
             budget -= take
@@ -197,6 +229,9 @@ class Simulation:
                 continue
             w.prompts.remove(prompt)
             req = prompt.req
+            w.keep(req.spec.prompt)
+            if prompt.decode_on is not None:
+                prompt.decode_on.keep(req.spec.prompt)  # the decode worker caches the pages it receives
             req.token_times.append(t)  # the first token
             if req.left <= 0:
                 if prompt.decode_on is not None:

@@ -83,3 +83,20 @@ def test_goodput_counts_the_requests_meeting_both_targets():
     assert pred.summary.attainment == 0.5 and pred.summary.num_requests == 2
     with pytest.raises(ValueError, match="no requests"):
         simulate(colocated(), COSTS, [], SLO())
+
+
+def test_a_prompt_behind_another_with_its_prefix_computes_only_its_suffix():
+    # page size 16: B shares A's first 96 tokens (6 pages). A's step: 0.01 + 0.1 = 0.11; B,
+    # scheduled after A cached its pages, computes 104 - 96 = 8 tokens: 0.01 + 0.008.
+    shared = tuple(range(96))
+    a, b = Request(0.0, 100, 1, shared + (1000, 1001, 1002, 1003)), Request(0.0, 104, 1, shared + tuple(range(500, 508)))
+    assert times(colocated(), [a, b]) == [[0.11], [0.128]]
+    # Token ids unknown: no hits.
+    assert times(colocated(), [Request(0.0, 100, 1), Request(0.0, 104, 1)]) == [[0.11], [0.224]]
+
+
+def test_a_long_chunk_costs_its_square_term():
+    step = StepCost(0.01, 0.001, 0.0, per_prompt_token2_s=1e-6)
+    assert step.step_s(1000, 0) == pytest.approx(0.01 + 1.0 + 1.0)
+    with pytest.raises(ValueError, match="negative"):
+        StepCost(0.01, -0.001, 0.0)
