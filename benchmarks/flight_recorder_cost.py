@@ -6,8 +6,8 @@ Two measurements, printed side by side:
      off, ...) so drift on the machine falls on both sides alike; the same seeded burst each time.
      Prints each pair's request throughput, the on/off ratio, and TTFT/TPOT p50/p90/p99.
   2. Per entry: the recorder's cost per recorded message and state change, timed in a loop, and
-     what that comes to per request at the entries one request makes (counted from the served
-     router's ring and the workers' rings), against the served time per request.
+     what that comes to per request at the entries one request makes, against the served time
+     per request.
 
     python benchmarks/flight_recorder_cost.py                         # 2 pairs of 96-prompt bursts, ~6 min
     python benchmarks/flight_recorder_cost.py --pairs 3 --config configs/bench/colocated-small.yaml
@@ -30,10 +30,11 @@ from proto import worker_messages as wm
 from proto.flight.recorder import OUT, FlightRecorder
 
 REPO = Path(__file__).resolve().parents[1]
-# Entries one disaggregated request leaves in the three rings (router, prefill, decode) at 64
-# output tokens: ~8 commands and events plus ~8 state changes outside decoding, plus one Tokens
-# event per decode step on the decode worker and one on the router.
-ENTRIES_PER_REQUEST = 16 + 2 * 64
+# Entries one disaggregated request leaves in the three rings (router, prefill, decode), counted
+# on an in-process 1P1D cluster (LocalCluster, builtin:tiny): 37 at 8 output tokens, 149 at 64,
+# i.e. 23 outside decoding plus one Tokens event on the decode worker and one at the router for
+# each token after the first.
+ENTRIES_PER_REQUEST = 23 + 2 * 63
 
 
 def variant(base: Path, out: Path, enabled: bool, tag: str) -> Path:

@@ -233,12 +233,12 @@ class _Twin:
 
     def kv(self, request_id: str, outcome: str, step_limit: int) -> None:
         """Decode: the recorded KV outcome of `request_id`, made to happen to the twin."""
-        reserve = self.role._reserved.get(request_id)
+        reserve = self.role.reservation(request_id)
         reserved = self.reserved.get(request_id)
         if reserve is None or reserved is None:
             return  # the twin holds no reservation for it (its own outcome says why)
         if outcome != "arrived":
-            self.role._fail(request_id, "transfer", f"replayed: {outcome}")
+            self.role.fail_transfer(request_id, f"replayed: {outcome}")
             return
         assert self.prefill_twin is not None
         kv = wm.KVDestination(TWIN_ADDRESS, reserved.num_pages, reserved.num_cached_pages, 30.0,

@@ -180,6 +180,14 @@ class DecodeWorker:
         if out is not None:  # the first token already finished it
             self._emit_tokens(out)
 
+    def reservation(self, request_id: str) -> ReserveKV | None:
+        """The ReserveKV of a request whose KV has not arrived yet (None: no such reservation)."""
+        return self._reserved.get(request_id)
+
+    def fail_transfer(self, request_id: str, reason: str) -> None:
+        """Ends a reservation as a failed KV transfer does (what `pdserve replay` re-drives)."""
+        self._fail(request_id, "transfer", reason)
+
     def _fail(self, request_id: str, stage: str, reason: str) -> None:
         self._drop(request_id)
         self.log.event("failed", request_id, stage=stage, reason=reason)

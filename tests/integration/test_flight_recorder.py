@@ -163,3 +163,24 @@ def test_a_decode_dump_replays_to_the_same_ends_after_its_prefill_worker_died(ti
     assert report.requests and all(r.verdict == "same" for r in report.requests), "\n".join(report.lines())
     ends = sorted(r.recorded.state for r in report.requests)
     assert ends == ["aborted"] + ["finished"] * len(PROMPTS), ends  # the crashed one's reservation, then its retry
+
+
+def test_a_recorded_kv_transfer_failure_fails_the_twins_reservation_too(tmp_path):
+    """A decode worker's record where one reservation's KV never came (Failed at stage transfer)
+    and another's did: the twin fails the first where the record says, and decodes the second."""
+    from proto.flight.dump import write
+    from proto.flight.recorder import IN, OUT, FlightRecorder
+
+    rec = FlightRecorder("decode", "decode-0", header={"engine": ENGINE.model_dump(mode="json")})
+    sampling = wm.Sampling(max_tokens=4, ignore_eos=True)
+    for rid in ("lost", "kept"):
+        rec.message(IN, "router", rid, wm.encode(wm.ReserveKV(rid, tuple(range(3, 20)), 30.0, sampling)))
+        rec.message(OUT, "router", rid, wm.encode(wm.Reserved(rid, "decode-0", "x:1", 3, 0, "t")))
+    rec.state("failed", "lost", {"stage": "transfer", "reason": "KV transfer expired"})
+    rec.message(OUT, "router", "lost", wm.encode(wm.Failed("lost", "decode-0", "transfer", "KV transfer expired")))
+    rec.state("transfer_received", "kept", {"first_token": 5})
+    report = replay(read(write(rec, tmp_path, "test")))
+    ends = {r.request_id: r for r in report.requests}
+    assert ends["lost"].replayed == ends["lost"].recorded and str(ends["lost"].recorded) == "failed (transfer)"
+    assert ends["lost"].verdict == "same"
+    assert ends["kept"].verdict == "in flight when dumped" and ends["kept"].replayed.state == "finished"

@@ -95,6 +95,9 @@ def sharded(role: str, **pool) -> dict:
         (edit("router.placement.margin", 1.0), r"router\.placement\.margin: Input should be less than 1"),
         (edit("decode.engine.speculative", {"max_batch_seqs": -1}),
          r"decode\.engine\.speculative\.max_batch_seqs: Input should be greater than or equal to 0"),
+        (edit("flight_recorder", {"capacity": 0}), r"flight_recorder\.capacity: Input should be greater than or equal to 16"),
+        (edit("flight_recorder", {"overrun_grace_s": 0}), r"flight_recorder\.overrun_grace_s: Input should be greater than 0"),
+        (edit("flight_recorder", {"dump_dri": "/tmp"}), r"flight_recorder\.dump_dri: Extra inputs are not permitted"),
     ],
 )
 def test_mistakes_are_rejected_naming_the_key(tmp_path, cfg, message):
