@@ -110,6 +110,13 @@ class RouterActor:
         """Whether the router has a fresh heartbeat from `worker_id` (it routes to it now)."""
         return self._on_loop(self._async(self.router.worker_healthy, worker_id))
 
+    def set_role(self, worker_id: str, role: str, reason: str) -> dict:
+        """Flips a switchable worker (router/role_switch/flips.py); {"error": why} when it cannot."""
+        try:
+            return self._on_loop(self.router.set_role(worker_id, role, reason))
+        except ValueError as exc:  # RoleFlipError: said as is, not as a remote traceback
+            return {"error": str(exc)}
+
     def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         return self._on_loop(self.router.drain_worker(worker_id, timeout_s), timeout_s + 10)
 

@@ -162,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a removed worker's requests may take to finish (default 60)")
     sc.add_argument("--timeout", type=float, default=300.0, help="seconds new workers may take to start (default 300)")
     sc.set_defaults(func=cmd_cluster.scale)
+    ro = sub.add_parser(
+        "role", help="flip a worker of a running cluster between prefill and decode",
+        description="Flip a worker of the cluster 'pdserve up CONFIG' runs between prefill and decode, with no restart "
+        "(router.role_switching.mode manual or auto). The router routes the new role's work to it at once; what it "
+        "holds of the old role finishes there. Its pool, and so 'pdserve scale', stay as they were.")
+    ro.add_argument("config", help="the YAML given to 'pdserve up'")
+    ro.add_argument("worker", help="the worker's id, as 'pdserve status' lists it (e.g. decode-1)")
+    ro.add_argument("new_role", choices=["prefill", "decode"], help="the role it serves from now on")
+    ro.add_argument("--reason", default="asked by pdserve role", help="kept with the flip, shown by 'pdserve status'")
+    ro.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an answer (default 30)")
+    ro.set_defaults(func=cmd_cluster.role)
     gen = sub.add_parser("generate", help="send one prompt to a running cluster's router and stream the reply")
     gen.add_argument("prompt", help="prompt text")
     where = gen.add_mutually_exclusive_group()

@@ -99,7 +99,7 @@ def status(args: argparse.Namespace) -> int:
         if pool.get("autoscaling"):
             a = pool["autoscaling"]
             print(f"    autoscaler: wants {a['wanted']} ({a['why']})")
-    print(f"  {'worker':<12} {'node':<10} {'health':<9} {'in flight':>9} {'running':>7} {'waiting':>7} "
+    print(f"  {'worker':<12} {'role':<9} {'node':<10} {'health':<9} {'in flight':>9} {'running':>7} {'waiting':>7} "
           f"{'queued tok':>10} {'KV used/total':>14}  placement")
     for w in status["workers"]:
         health = "draining" if w.get("draining") else "healthy" if w.get("healthy") else "DOWN"
@@ -109,9 +109,17 @@ def status(args: argparse.Namespace) -> int:
         if w.get("placement"):
             nodes = {n[:8] for n in w["placement"]["bundle_nodes"]}
             placement = f"{w['placement']['strategy']} x{len(w['placement']['bundles'])} on {', '.join(sorted(nodes))}"
-        print(f"  {w['worker_id']:<12} {str(w.get('node_id', '?'))[:8]:<10} {health:<9} {w.get('in_flight', 0):>9} "
+        print(f"  {w['worker_id']:<12} {w.get('role', '?'):<9} {str(w.get('node_id', '?'))[:8]:<10} {health:<9} "
+              f"{w.get('in_flight', 0):>9} "
               f"{w.get('running', '?'):>7} {w.get('waiting', '?'):>7} {str(w.get('queued_tokens', '?')):>10} "
               f"{kv:>14}  {placement}" + (f"  error: {w['error']}" if w.get("error") else ""))
+    flips = [w for w in status["workers"] if w.get("last_flip")]
+    if flips:
+        print("  Role flips (the last of each worker):")
+    for w in flips:
+        flip = w["last_flip"]
+        print(f"    {w['worker_id']} -> {flip['role']} by {flip['by']}, "
+              f"{time.time() - flip['at']:.0f} s ago: {flip['reason']}")
     links = [(w["worker_id"], dst, link) for w in status["workers"] for dst, link in (w.get("kv_links") or {}).items()]
     if links:
         print("  KV links:")
@@ -122,6 +130,14 @@ def status(args: argparse.Namespace) -> int:
             state = f"DOWN ({link['error']})" + (f"; KV goes over the fallback {link['route']}" if link["fallback"]
                                                  else "; no route: not used")
         print(f"    {src} -> {dst}: {state}")
+    return 0
+
+
+def role(args: argparse.Namespace) -> int:
+    flip = _control(args.config, {"op": "set_role", "worker": args.worker, "role": args.new_role,
+                                  "reason": args.reason}, args.timeout)["flip"]
+    print(f"pdserve: {flip['worker_id']} now serves {flip['role']} (was {flip['old']}); what it held of "
+          f"{flip['old']} finishes there")
     return 0
 
 

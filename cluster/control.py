@@ -10,6 +10,8 @@ status --json` as control_rejected):
     {"op": "scale", "sizes": {"decode": 2}, "drain_timeout_s": 60}
                                                        -> {"ok": true, "changes": [...]}
     {"op": "flight_dump"}                              -> {"ok": true, "dumps": {process: text}, "missing": {process: why}}
+    {"op": "set_role", "worker": "decode-1", "role": "prefill", "reason": "..."}
+                                                       -> {"ok": true, "flip": {worker_id, old, role, reason}}
     anything that fails                                -> {"ok": false, "error": "why"}
 Requests are served one at a time on a thread of the `up` process (a scale that drains waits
 for its requests; a status sent meanwhile answers after it).
@@ -104,7 +106,12 @@ class ControlServer:
 
                 dumps, missing = collect(self.pools.cluster)
                 return {"ok": True, "dumps": dumps, "missing": missing}
-            raise ScaleError(f"unknown control op {op!r}; expected 'status', 'scale' or 'flight_dump'")
+            if op == "set_role":
+                worker, role = request.get("worker"), request.get("role")
+                if not isinstance(worker, str) or not isinstance(role, str):
+                    raise ScaleError("set_role needs a worker and a role, e.g. {'worker': 'decode-1', 'role': 'prefill'}")
+                return {"ok": True, "flip": self.pools.set_role(worker, role, str(request.get("reason") or "asked"))}
+            raise ScaleError(f"unknown control op {op!r}; expected 'status', 'scale', 'flight_dump' or 'set_role'")
         except (ScaleError, ValueError, TypeError, msgpack.UnpackException) as exc:
             return {"ok": False, "error": str(exc)}
         except Exception as exc:

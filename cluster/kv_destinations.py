@@ -31,7 +31,9 @@ def share_kv_destinations(slots: Iterable[WorkerSlot], timeout_s: float = 30.0) 
 
     slots = list(slots)
     addresses = kv_destinations(slot.bound for slot in slots if slot.bound is not None)
-    actors: dict[str, Any] = {slot.worker_id: slot.actor for slot in slots if slot.role == "prefill"}  # Ray handles
+    # Ray handles of every worker that sends KV: prefill workers, and switchable ones whatever their pool.
+    actors: dict[str, Any] = {slot.worker_id: slot.actor for slot in slots
+                              if slot.role == "prefill" or (slot.bound is not None and slot.bound.switchable)}
     pending = {worker_id: actor.set_kv_destinations.remote(addresses) for worker_id, actor in actors.items()}
     deadline = time.monotonic() + timeout_s
     unreached = []

@@ -194,6 +194,17 @@ class PoolManager:
         thread.start()
         return thread
 
+    def set_role(self, worker_id: str, role: str, reason: str) -> dict:
+        """Flips a switchable worker between prefill and decode (`pdserve role`): the router
+        decides where it routes; the worker's pool, and so `scale`, stay as they were."""
+        import ray
+
+        flip = ray.get(self.cluster.router.set_role.remote(worker_id, role, reason), timeout=30)
+        if "error" in flip:
+            raise ScaleError(flip["error"])
+        log.info("%s now serves %s (was %s): %s", worker_id, flip["role"], flip["old"], reason)
+        return flip
+
     # -- status ---------------------------------------------------------------------------------
     def status(self) -> dict:
         """Pools, workers (node, placement, health, queue, KV usage) as the router and the actors see them."""

@@ -58,6 +58,10 @@ class WorkerSpec:
     peak_tflops: float | None = None  # what MFU / MBU are measured against (None = measured at start)
     peak_memory_bandwidth_gbps: float | None = None
     flight: FlightRecorderConfig = field(default_factory=FlightRecorderConfig)  # the YAML's flight_recorder
+    # router.role_switching on: this worker can flip between prefill and decode at run time
+    # (cluster/role_switch/), so whatever its pool it binds a KV receiver on kv_port and keeps KV
+    # links to the cluster's other switchable workers.
+    switchable: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -66,6 +70,9 @@ class WorkerSpec:
             raise ValueError(f"unknown KV transport {self.kv_transport!r}; choose 'zmq' or 'torch_dist'")
         if self.role == "decode" and self.kv_transport == "zmq" and self.kv_port is None:
             raise ValueError("a decode worker needs a kv_port to receive KV on")
+        if self.switchable and (self.role == "colocated" or self.kv_transport != "zmq" or self.kv_port is None):
+            raise ValueError("a switchable worker is a prefill or decode worker with the zmq KV transport and a "
+                             "kv_port")
         dist = (self.dist_rank, self.dist_world_size, self.dist_store_address)
         if self.kv_transport == "torch_dist" and self.role != "colocated" and None in dist:
             raise ValueError("the torch_dist KV transport needs dist_rank, dist_world_size and dist_store_address")
@@ -78,8 +85,9 @@ class WorkerSpec:
     def kv_address(self) -> str | None:
         """Where a decode worker takes KV, as its Reserved replies name it: host:kv_port, or
         `dist:<rank>` on the torch_dist transport (engine/kv_transfer/torch_dist.py address_of,
-        spelt out here: building specs must not import torch). None for other roles."""
-        if self.role != "decode":
+        spelt out here: building specs must not import torch). A switchable worker has one
+        whatever its role. None for other roles."""
+        if self.role != "decode" and not self.switchable:
             return None
         if self.kv_transport == "torch_dist":
             return f"dist:{self.dist_rank}"
@@ -103,7 +111,7 @@ class WorkerSpec:
 
 
 def kv_destinations(specs: Iterable[WorkerSpec]) -> tuple[str, ...]:
-    """The KV addresses of the decode workers among `specs` (each with the host it bound), with
+    """The KV addresses of the decode (and switchable) workers among `specs` (each with the host it bound), with
     their ZMQ fallbacks on torch_dist: the only places a prefill worker of the cluster may push
     KV to (engine/kv_transfer/destinations.py)."""
     return tuple(sorted({address for spec in specs for address in (spec.kv_address, spec.kv_fallback_address)
@@ -138,7 +146,8 @@ def worker_spec(config: ClusterConfig, role: str, index: int, host: str, router_
         role=role, worker_id=worker_id, engine=config.engine_config(pool), host=host,
         command_port=pool.base_port + index,
         router_event_address=f"{router_host}:{config.router.worker_event_port}", cluster_secret=secret,
-        kv_port=pool.kv_base_port + index if role == "decode" and pool.kv_base_port is not None else None,
+        kv_port=pool.kv_base_port + index if (role == "decode" or config.switchable) and pool.kv_base_port is not None
+        else None, switchable=config.switchable,
         kv_transport=kv.transport, kv_checksum=kv.checksum,
         dist_rank=rank, dist_world_size=world_size, dist_store_address=store, dist_sources=sources,
         dist_sinks=sinks, dist_timeout_s=kv.dist_timeout_s, link_heartbeat_s=kv.link_heartbeat_s,

@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import Callable
 
+from cluster.role_switch.switchable_worker import SwitchableWorker
 from cluster.serving_loop import EventSink, serve
 from cluster.specs import NODE_IP, WorkerSpec
 from decode_worker.colocated import ColocatedWorker
@@ -122,9 +123,15 @@ class WorkerHost:
     def set_kv_destinations(self, addresses: tuple[str, ...]) -> None:
         """The KV addresses of the cluster's decode workers, now (cluster/kv_destinations.py):
         the only destinations this prefill worker accepts. Safe from any thread."""
-        if self.role != "prefill":
-            raise ValueError(f"{self.worker_id} sends no KV: only prefill workers take KV destinations")
+        if self.role != "prefill" and not self.spec.switchable:
+            raise ValueError(f"{self.worker_id} sends no KV: only prefill (and switchable) workers take KV "
+                             "destinations")
         self.kv_destinations.replace(addresses)
+
+    @property
+    def current_role(self) -> str:
+        """The role taking new work now: a switchable worker's last flip, else the one it started as."""
+        return self._role.role if isinstance(self._role, SwitchableWorker) else self.role
 
     def page_stats(self) -> dict[str, int]:
         return self.engine.snapshot.page_stats()
@@ -154,6 +161,7 @@ class WorkerHost:
         """Queues and KV pages, read from another thread (a snapshot; may be a step behind)."""
         snap = self.engine.snapshot
         return {"running": snap.num_running, "waiting": snap.num_waiting, "kv_pages": snap.page_stats(),
+                "serving_as": self.current_role,  # as the worker itself says (a switchable one's last SetRole)
                 "rejected": dict(getattr(self._role, "rejected", {})),  # refused commands by reason
                 "rejected_messages": _nested(self.rejected_messages()),  # every dropped message: {socket: {reason: n}}
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}
@@ -178,7 +186,8 @@ class WorkerHost:
             role = self._role = self._make_role(self._event_tap(events.emit) if self._event_tap else events.emit,
                                                 closers)
             if self.recorder is not None:
-                role.log.tap = self.recorder.state
+                for events_log in getattr(role, "logs", (role.log,)):
+                    events_log.tap = self.recorder.state
             serve(role, self.command_address, events, self._load(role), self._stop, secret,
                   on_reject=self.rejections.count, on_ready=self._ready.set, notices=self._block_notices)
         except BaseException as exc:  # noqa: BLE001 - the serving loop died, so the worker is dead
@@ -205,16 +214,27 @@ class WorkerHost:
             torch_dist.join_group(rank, world_size, store, backend="nccl" if device.startswith("cuda") else "gloo",
                                   timeout_s=spec.dist_timeout_s)
             closers.append(torch_dist.leave_group)
+        if spec.switchable:  # both roles on one engine, either taking new work (cluster/role_switch/)
+            return SwitchableWorker(self._prefill_role(emit, closers, observe_transfer),
+                                    self._decode_role(emit, closers, observe_transfer), self.role)
         if self.role == "decode":
-            zmq_receiver = ZmqFrameReceiver(spec.host, spec.kv_port, spec.cluster_secret,
-                                            sign_payload=not spec.kv_checksum, on_reject=self.rejections.count)
-            receiver: BaseFrameReceiver = zmq_receiver
-            if spec.kv_transport == "torch_dist":  # ZMQ stays bound: the pairs whose dist link died use it
-                receiver = MultiFrameReceiver(torch_dist.DistFrameReceiver(spec.dist_sources, device), zmq_receiver)
-            closers.insert(0, receiver.close)  # before the group is left: its receive threads end then
-            return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
-                                transfer_observer=observe_transfer, max_lease_s=spec.max_lease_s,
-                                require_checksum=spec.kv_checksum)
+            return self._decode_role(emit, closers, observe_transfer)
+        return self._prefill_role(emit, closers, observe_transfer)
+
+    def _decode_role(self, emit, closers, observe_transfer) -> DecodeWorker:
+        spec, device = self.spec, self.engine.config.device
+        zmq_receiver = ZmqFrameReceiver(spec.host, spec.kv_port, spec.cluster_secret,
+                                        sign_payload=not spec.kv_checksum, on_reject=self.rejections.count)
+        receiver: BaseFrameReceiver = zmq_receiver
+        if spec.kv_transport == "torch_dist":  # ZMQ stays bound: the pairs whose dist link died use it
+            receiver = MultiFrameReceiver(torch_dist.DistFrameReceiver(spec.dist_sources, device), zmq_receiver)
+        closers.insert(0, receiver.close)  # before the group is left: its receive threads end then
+        return DecodeWorker(self.worker_id, self.engine, receiver, receiver.address, emit,
+                            transfer_observer=observe_transfer, max_lease_s=spec.max_lease_s,
+                            require_checksum=spec.kv_checksum)
+
+    def _prefill_role(self, emit, closers, observe_transfer) -> PrefillWorker:
+        spec, device = self.spec, self.engine.config.device
 
         def open_frames(address: str) -> BaseFrameSender:
             if address.startswith(torch_dist.PREFIX):
@@ -244,17 +264,19 @@ class WorkerHost:
 
         def load() -> wm.Load:
             snap = engine.snapshot
+            now = role.role if isinstance(role, SwitchableWorker) else name  # the role taking new work
+            prefill = role.prefill if isinstance(role, SwitchableWorker) else role
+            decode = role.decode if isinstance(role, SwitchableWorker) else role
             # Prompt tokens waiting to be computed here: a prefill worker's jobs, a decode
             # worker's own prompts (placed on it by the router).
-            queued = role.queued_tokens if isinstance(role, PrefillWorker) else snap.pending_prompt_tokens
-            if isinstance(role, PrefillWorker):
-                links = tuple(wm.KVLink(s.address, s.up, s.error or "", s.bytes_per_s, s.latency_s)
-                              for s in role.link_states)
-            elif isinstance(role, DecodeWorker):
-                links = tuple(wm.KVLink(address, False, why[:500]) for address, why in role.dead_sources.items())
-            else:
-                links = ()
-            return wm.Load(worker_id, name, queued, snap.free_pages, snap.num_running, incarnation, links,
+            queued = prefill.queued_tokens if now == "prefill" else snap.pending_prompt_tokens
+            links: tuple[wm.KVLink, ...] = ()
+            if isinstance(prefill, PrefillWorker):
+                links += tuple(wm.KVLink(s.address, s.up, s.error or "", s.bytes_per_s, s.latency_s)
+                               for s in prefill.link_states)
+            if isinstance(decode, DecodeWorker):
+                links += tuple(wm.KVLink(address, False, why[:500]) for address, why in decode.dead_sources.items())
+            return wm.Load(worker_id, now, queued, snap.free_pages, snap.num_running, incarnation, links,
                            rates.prefill_tokens_per_s, rates.decode_step_s, kv_bytes_per_token)
 
         return load

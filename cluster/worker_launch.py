@@ -70,7 +70,7 @@ class WorkerSlot:
 def endpoint_of(spec: WorkerSpec, command_address: str | None = None) -> WorkerEndpoint:
     """The router's view of a worker started with `spec` (the addresses it bound)."""
     return WorkerEndpoint(spec.worker_id, spec.role, command_address or spec.command_address, spec.kv_address,
-                          spec.kv_fallback_address, spec.kv_source)
+                          spec.kv_fallback_address, spec.kv_source, spec.switchable)
 
 
 def worker_host(config: ClusterConfig) -> str:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 from configs.engine import EngineConfig, EngineSettings
 from configs.flight_recorder import FlightRecorderConfig
 from configs.logging_setup import LoggingConfig
+from configs.role_switching import RoleSwitchingConfig
 
 
 class _Strict(BaseModel):
@@ -47,6 +48,8 @@ class RouterConfig(_Strict):
     # the decode worker itself), or adaptive (whichever the measured costs say is cheaper).
     disaggregation: Literal["always", "adaptive", "never"] = "adaptive"
     placement: PlacementConfig = PlacementConfig()
+    # Workers that flip between prefill and decode at run time (router/role_switch/); off by default.
+    role_switching: RoleSwitchingConfig = RoleSwitchingConfig()
     worker_event_port: int = Field(52000, ge=1, le=65535, description="workers push events to the router here")
     # Where the internal sockets (worker events, control) bind: never the public `host` when that is
     # 0.0.0.0. None = `host` when it names one interface, else this node's address (loopback for
@@ -106,6 +109,9 @@ class RouterConfig(_Strict):
     def _check_slo_admission(self) -> RouterConfig:
         if self.slo_admission_factor is not None and self.slo_ttft_ms is None:
             raise ValueError("slo_admission_factor needs slo_ttft_ms: the TTFT target it is a multiple of")
+        if self.role_switching.mode == "auto" and (self.slo_ttft_ms is None or self.slo_tpot_ms is None):
+            raise ValueError("role_switching.mode auto needs slo_ttft_ms and slo_tpot_ms: the controller flips "
+                             "a worker when one of them is under pressure and the other has slack")
         return self
 
     @model_validator(mode="after")
@@ -168,7 +174,8 @@ class PoolConfig(_Strict):
         None, ge=1, le=65535, description="sharded worker i's process-group store listens on shard_base_port + i")
     base_port: int = Field(ge=1, le=65535, description="worker i takes router commands on base_port + i")
     kv_base_port: int | None = Field(
-        None, ge=1, le=65535, description="decode worker i receives KV on kv_base_port + i (decode pools only)"
+        None, ge=1, le=65535, description="decode worker i receives KV on kv_base_port + i (decode pools, and "
+        "prefill pools whose workers can flip to decode: router.role_switching)"
     )
     metrics_base_port: int | None = Field(
         None, ge=1, le=65535, description="worker i serves Prometheus /metrics on metrics_base_port + i; None = off")
@@ -263,6 +270,13 @@ class ClusterConfig(_Strict):
                                  "KV moves page by page")
             if self.prefill.engine.dtype != self.decode.engine.dtype:
                 raise ValueError("prefill.engine.dtype and decode.engine.dtype must be equal: KV bytes are copied")
+            if self.switchable:
+                if self.kv_transfer.transport != "zmq":
+                    raise ValueError("router.role_switching needs kv_transfer.transport: zmq (a torch_dist group "
+                                     "fixes which ranks send and which receive)")
+                if self.prefill.kv_base_port is None:
+                    raise ValueError("router.role_switching needs prefill.kv_base_port: a prefill worker "
+                                     "receives KV there once it flips to decode")
         else:
             if self.colocated is None:
                 raise ValueError("mode 'colocated' needs a 'colocated' pool")
@@ -273,6 +287,11 @@ class ClusterConfig(_Strict):
             raise ValueError("autoscaling needs kv_transfer.transport: zmq (a torch_dist group has a fixed membership)")
         self._check_ports()
         return self
+
+    @property
+    def switchable(self) -> bool:
+        """Whether the workers can flip between prefill and decode (router.role_switching)."""
+        return self.mode == "disaggregated" and self.router.role_switching.mode != "off"
 
     def kv_dist_ranks(self) -> dict[str, int]:
         """torch_dist: each prefill and decode worker's rank in the KV process group."""

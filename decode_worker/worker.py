@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from configs.logging_setup import EventLog
 from engine import LLMEngine, RequestOutput, SamplingParams
@@ -112,8 +112,20 @@ class DecodeWorker:
         """Computes some of a reserved request's draft prompt KV (while its KV is on the way and
         nothing runs), takes in arrived KV, joins ready requests, runs one decode step. Returns whether it did
         work; with nothing to run it waits up to idle_wait_s for KV instead of spinning."""
+        ahead = self.take_kv(idle_wait_s)
+        if not self.engine.has_unfinished_requests():
+            return ahead
+        self.emit_outputs(self.engine.step())
+        return True
+
+    def take_kv(self, idle_wait_s: float = 0.005, busy_elsewhere: bool = False) -> bool:
+        """Computes some of a reserved request's draft prompt KV (while nothing runs), takes in
+        arrived KV and joins the requests it completes; waits up to `idle_wait_s` for KV only
+        when nothing runs here (`busy_elsewhere`: the engine has other work this turn). Returns
+        whether it computed draft KV."""
         ahead = self.engine.run_ahead()
-        idle = not ahead and not self.engine.has_unfinished_requests() and self.receiver.num_pending > 0
+        idle = (not ahead and not busy_elsewhere and not self.engine.has_unfinished_requests()
+                and self.receiver.num_pending > 0)
         for outcome in poll(self.receiver, self.kv_transport, idle_wait_s if idle else 0.0):
             if outcome.state is not TransferState.DONE:
                 self._fail(outcome.request_id, "transfer", f"KV transfer {outcome.state.value}: {outcome.detail}")
@@ -122,15 +134,20 @@ class DecodeWorker:
             else:
                 self.log.event("transfer_received", outcome.request_id, first_token=outcome.first_token)
                 self._join(outcome.request_id, outcome.first_token)
-        if not self.engine.has_unfinished_requests():
-            return ahead
-        for out in self.engine.step():
+        return ahead
+
+    def emit_outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        """An engine step's outputs, each streamed to the router as Tokens."""
+        for out in outputs:
             self._emit_tokens(out)
-        return True
 
     def publish(self) -> None:
         """What other threads read (heartbeats, status, metrics) made current; on this thread."""
         self.engine.publish_snapshot()
+        self.publish_own()
+
+    def publish_own(self) -> None:
+        """This role's own state for other threads, beside the engine's snapshot."""
         self.dead_sources = self.kv_transport.link_errors()
         self.held_ids = frozenset(self._reserved.keys() | self.receiver.request_ids())
 

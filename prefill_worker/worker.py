@@ -14,11 +14,11 @@ request id (configs/logging_setup.py).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from configs.logging_setup import EventLog
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.kv_transfer import KVSender, TransferState, TransportError
 from engine.kv_transfer.destinations import KVDestinations
 from engine.kv_transfer.links import KVLinks, LinkState
@@ -78,6 +78,11 @@ class PrefillWorker:
     def publish(self) -> None:
         """What other threads read (heartbeats, status, metrics) made current; on this thread."""
         self.engine.publish_snapshot()
+        self.publish_own()
+
+    def publish_own(self) -> None:
+        """This role's own state for other threads, beside the engine's snapshot (a switchable
+        worker, cluster/role_switch/, publishes the engine once for both of its roles)."""
         self.queued_tokens = self.num_queued_tokens
         self.links.keep(self.destinations.addresses)  # a link to every destination, before it is needed
         self.link_states = self.links.states()
@@ -95,7 +100,22 @@ class PrefillWorker:
         """One engine step plus KV shipping; False when there was nothing to do."""
         if not self._jobs:
             return False
-        for out in self.engine.step():
+        self.take_outputs(self.engine.step())
+        self.ship()
+        return True
+
+    @property
+    def has_jobs(self) -> bool:
+        """Whether a prompt is being computed or its KV shipped here."""
+        return bool(self._jobs)
+
+    def owns(self, request_id: str) -> bool:
+        """Whether `request_id` is one of this role's prefill jobs (its engine output is a first token)."""
+        return request_id in self._jobs
+
+    def take_outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        """An engine step's outputs: each finished prompt of a job sends its first token at once."""
+        for out in outputs:
             job = self._jobs.get(out.request_id)
             if job is None:
                 continue
@@ -105,9 +125,11 @@ class PrefillWorker:
             self.emit(FirstToken(out.request_id, self.worker_id, out.new_token_ids[0],
                                  out.new_logprobs[0] if out.new_logprobs else None,
                                  out.num_cached_prompt_tokens))
+
+    def ship(self) -> None:
+        """Every job's newly complete pages to its decode worker; the transfers of finished prompts end."""
         for request_id, job in list(self._jobs.items()):
             self._ship(request_id, job)
-        return True
 
     def _start(self, message: Prefill) -> None:
         if not self.destinations.allows(message.kv.address):

@@ -9,6 +9,7 @@ The disaggregated journey of request R (docs/design.md §2), one message per arr
     prefill -> router  TransferEnded(R, state)         KV sent (or not): held pages freed
     decode -> router   Tokens(R, ids, finished?)       joined when the transfer is done; streamed
     router -> any      Abort(R)                        cancel/deadline: every side frees
+    router -> worker   SetRole(role, reason)           a switchable worker's role flip (router/role_switch/)
     worker -> router   Failed(R, stage, reason)        a terminal failure on that worker
     worker -> router   Load(...)                       heartbeat: liveness, policy inputs, KV link states
     worker -> router   KVBlocks(...)                   prefix-cache changes: the router's KV block index
@@ -134,6 +135,18 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class SetRole:
+    """A switchable worker (cluster/role_switch/) now serves `role` ("prefill" or "decode"): it takes
+    that role's commands only, finishes what it holds of the other, and reports `role` in its
+    heartbeats. Sent on the worker's command socket, so it arrives after every command routed to it
+    for the old role."""
+
+    worker_id: str
+    role: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Failed:
     request_id: str
     worker_id: str
@@ -190,7 +203,7 @@ class KVBlocks:
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (
     ReserveKV, Reserved, ReserveRejected, Prefill, FirstToken, TransferEnded,
-    Generate, Tokens, Abort, Failed, Load, KVBlocks,
+    Generate, Tokens, Abort, Failed, Load, KVBlocks, SetRole,
 )}
 
 

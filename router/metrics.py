@@ -65,6 +65,8 @@ class RouterMetrics:
         self.placements = Counter("pdserve_placement_decisions", "Where each attempt's prompt was computed "
                                   "(remote, local, suffix) and why (router/placement/decide.py)",
                                   ["placement", "reason"], registry=r)
+        self.role_flips = Counter("pdserve_role_flips", "Workers flipped between prefill and decode, by the role "
+                                  "flipped to and who decided (router/role_switch/)", ["role", "by"], registry=r)
         self.queue_time = Histogram("pdserve_router_queue_time_seconds",
                                     "Admission to dispatch (prefill or colocated worker chosen and sent)",
                                     buckets=BUCKETS, registry=r)

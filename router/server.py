@@ -37,6 +37,8 @@ from router.placement.placer import Placer
 from router.policy import make_policy
 from router.prefill_gate import PrefillGate
 from router.request_ids import LiveIds, new_client_id, new_internal_id
+from router.role_switch.controller import RoleController
+from router.role_switch.flips import RoleSwitcher
 from router.security import ApiKeyInterceptor
 from router.slo import SloTargets
 from router.slo_admission import SloAdmission, SloRefused, colocated_ttft_s
@@ -99,6 +101,12 @@ class Router:
             self.log.tap = self.recorder.state
         self.overdue = DeadlineWatch(flight.overrun_grace_s) if flight.enabled and flight.dump_on_overrun else None
         self.pool: WorkerPool | None = None
+        switching = cfg.role_switching
+        controller = RoleController(switching, cfg.slo_ttft_ms / 1000, cfg.slo_tpot_ms / 1000) \
+            if switching.mode == "auto" and cfg.slo_ttft_ms and cfg.slo_tpot_ms else None
+        self.role_switcher = RoleSwitcher(switching, lambda: self.pool, self.log,
+                                         lambda role, by: self.metrics.role_flips.labels(role, by).inc(), controller)
+        self._switch_task: asyncio.Task | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self._health_task: asyncio.Task | None = None
@@ -137,11 +145,14 @@ class Router:
             self.server.add_insecure_port(f"{host}:{port}")
         await self.server.start()
         self._health_task = asyncio.get_running_loop().create_task(self._watch_health())
+        if self.role_switcher.controller is not None:
+            self._switch_task = asyncio.get_running_loop().create_task(self.role_switcher.run())
         return bound
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._switch_task):
+            if task is not None:
+                task.cancel()
         if self.server is not None:
             await self.server.stop(grace_s)
         if self.pool is not None:
@@ -202,6 +213,10 @@ class Router:
         self.pool.remove(worker_id)
         self.log.event("worker_removed", None, worker=worker_id, in_flight=left)
         return left
+
+    async def set_role(self, worker_id: str, role: str, reason: str = "asked") -> dict:
+        """Flips a switchable worker to `role` now (`pdserve role`); RoleFlipError says why it cannot."""
+        return await self.role_switcher.flip(worker_id, role, reason)
 
     def view(self) -> dict:
         return {"ready": self.is_ready(), "in_flight": self.in_flight.requests, "workers": self.pool.view(),
@@ -308,6 +323,8 @@ class Router:
                                                   usage.cached_prompt_tokens, usage.spec_proposed_tokens,
                                                   usage.spec_accepted_tokens)
                     self.metrics.request_stages(usage)
+                    self.role_switcher.observe(ttft, (now - start - ttft) / (num_tokens - 1) if ttft is not None
+                                              and num_tokens > 1 else None, usage.ttft_breakdown.queued_s)
                     self.log.event("finished", rid, **ids, finish_reason=reason, completion_tokens=num_tokens,
                                    cached_prompt_tokens=response.usage.cached_prompt_tokens,
                                    e2e_s=round(now - start, 6))

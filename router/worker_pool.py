@@ -53,11 +53,16 @@ class WorkerEndpoint:
     # which a decode worker reports a link from it that it can no longer hear.
     kv_fallback_address: str | None = None
     kv_source: str | None = None
+    # It can flip between prefill and decode (router/role_switch/): `role` is the one it started
+    # as, and it has a KV address whatever its role.
+    switchable: bool = False
 
     def __post_init__(self) -> None:
-        if (self.role == "decode") != (self.kv_address is not None):
-            raise ValueError(f"worker {self.worker_id}: a decode worker has a KV address and no other role has "
-                             f"one (role {self.role!r}, kv_address {self.kv_address!r})")
+        if (self.role == "decode" or self.switchable) != (self.kv_address is not None):
+            raise ValueError(f"worker {self.worker_id}: a decode (or switchable) worker has a KV address and no "
+                             f"other has one (role {self.role!r}, kv_address {self.kv_address!r})")
+        if self.switchable and self.role not in ("prefill", "decode"):
+            raise ValueError(f"worker {self.worker_id}: only prefill and decode workers are switchable")
         if self.kv_fallback_address is not None and self.role != "decode":
             raise ValueError(f"worker {self.worker_id}: only a decode worker has a fallback KV address")
         if self.kv_source is not None and self.role != "prefill":
@@ -71,6 +76,7 @@ class _Worker:
     endpoint: WorkerEndpoint
     commands: zmq.asyncio.Socket  # PUSH to the worker's command socket
     signer: FrameSigner  # this socket's own: the worker sees its counters in order
+    role: str  # the role it takes new work for: its endpoint's, until a flip (router/role_switch/)
     draining: bool = False  # no new requests; the ones it holds go on
     requests: set[str] = field(default_factory=set)  # ids of request attempts it takes part in
     load: wm.Load | None = None  # the last heartbeat
@@ -78,6 +84,7 @@ class _Worker:
     # KV addresses whose link from this (prefill) worker failed a transfer, -> when: avoided until
     # a heartbeat built after the failure says how the link is (router/attempt.py marks them).
     suspect_links: dict[str, float] = field(default_factory=dict)
+    last_flip: dict | None = None  # {"role", "reason", "by", "at"} of its last role flip
 
 
 class WorkerPool:
@@ -131,13 +138,25 @@ class WorkerPool:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{endpoint.command_address}")
-        self._workers[endpoint.worker_id] = _Worker(endpoint, sock, FrameSigner(self._secret, "router"))
+        self._workers[endpoint.worker_id] = _Worker(endpoint, sock, FrameSigner(self._secret, "router"), endpoint.role)
 
     def drain(self, worker_id: str) -> None:
         """No new requests for `worker_id`; the ones it holds go on."""
         if worker_id not in self._workers:
             raise KeyError(f"no worker {worker_id} in the pool")
         self._workers[worker_id].draining = True
+
+    async def set_role(self, worker_id: str, role: str, reason: str, by: str) -> None:
+        """`worker_id` takes `role`'s work from now on (the caller checked that it may): SetRole goes
+        out on its command socket, behind every command routed to it for its old role."""
+        worker = self._workers[worker_id]
+        await self.send(worker_id, wm.SetRole(worker_id, role, reason))
+        worker.role = role
+        worker.last_flip = {"role": role, "reason": reason, "by": by, "at": time.time()}
+
+    def role(self, worker_id: str) -> str | None:
+        worker = self._workers.get(worker_id)
+        return None if worker is None else worker.role
 
     def remove(self, worker_id: str) -> None:
         self._workers.pop(worker_id).commands.close()
@@ -176,14 +195,16 @@ class WorkerPool:
         out = []
         for wid, w in sorted(self._workers.items()):
             load, e = w.load, w.endpoint
-            entry = {"worker_id": wid, "role": e.role, "command_address": e.command_address,
+            entry = {"worker_id": wid, "role": w.role, "command_address": e.command_address,
                      "healthy": self.healthy(wid), "draining": w.draining,
                      "in_flight": len(w.requests), "last_heartbeat_s": None if w.last_seen is None else
                      round(time.monotonic() - w.last_seen, 3), "queued_tokens": load.queued_tokens if load else None,
                      "free_pages": load.free_pages if load else None, "running": load.running if load else None}
-            if e.role == "prefill":
+            if e.switchable:
+                entry.update(started_as=e.role, last_flip=w.last_flip)
+            if w.role == "prefill":
                 entry["kv_links"] = {d: self.link_view(wid, d) for d in sorted(self._workers)
-                                     if self._workers[d].endpoint.role == "decode"}
+                                     if self._workers[d].role == "decode"}
             out.append(entry)
         return out
 
@@ -234,9 +255,9 @@ class WorkerPool:
 
     def link_states(self) -> list[tuple[str, str, bool]]:
         """(prefill id, decode id, up) of every pair (the router's metric)."""
-        decodes = [w for w, x in sorted(self._workers.items()) if x.endpoint.role == "decode"]
+        decodes = [w for w, x in sorted(self._workers.items()) if x.role == "decode"]
         return [(p, d, self.link_view(p, d)["up"]) for p, x in sorted(self._workers.items())
-                if x.endpoint.role == "prefill" for d in decodes]
+                if x.role == "prefill" for d in decodes]
 
     def link_cost(self, prefill_id: str, address: str) -> LinkCost:
         """The link's latency and bandwidth as `prefill_id` measured them (0s: not yet)."""
@@ -266,7 +287,7 @@ class WorkerPool:
     def loads(self, role: str) -> list[WorkerLoad]:
         out = []
         for wid, w in self._workers.items():
-            if w.endpoint.role != role or w.draining:
+            if w.role != role or w.draining:
                 continue
             load = w.load
             out.append(WorkerLoad(wid, self.healthy(wid), load.queued_tokens if load else 0,
@@ -337,6 +358,12 @@ class WorkerPool:
         if isinstance(msg, wm.Load):
             worker = self._workers.get(msg.worker_id)
             if worker is not None:  # a worker not (or no longer) in the pool is not routed to
+                restarted = worker.load is not None and worker.load.incarnation != msg.incarnation
+                if restarted and worker.endpoint.switchable and msg.role != worker.role:
+                    # A flipped worker's replacement starts as its pool's role: route it as that.
+                    worker.role = msg.role
+                    worker.last_flip = {"role": msg.role, "reason": "restarted as its pool's role", "by": "restart",
+                                        "at": time.time()}
                 worker.load, worker.last_seen = msg, time.monotonic()
             return
         if isinstance(msg, wm.KVBlocks):

@@ -79,6 +79,8 @@ class LocalCluster:
         counts = num_workers if isinstance(num_workers, dict) else dict.fromkeys(roles, num_workers)
         pools = {role: {"num_workers": counts[role], "base_port": 20000 + 1000 * k, "engine": settings,
                         **({"kv_base_port": 23000} if role == "decode" else {}),
+                        # Switchable prefill workers receive KV once they flip to decode.
+                        **({"kv_base_port": 25500} if role == "prefill" and "role_switching" in router else {}),
                         **({"metrics_base_port": 24000 + 1000 * k} if metrics_peak else {})}
                  for k, role in enumerate(roles)}
         self.config = ClusterConfig.model_validate({
@@ -101,7 +103,7 @@ class LocalCluster:
         # As `pdserve up` does (cluster/kv_destinations.py): prefill workers push KV only to these.
         destinations = kv_destinations(h.spec for h in self.hosts)
         for h in self.hosts:
-            if h.role == "prefill":
+            if h.role == "prefill" or h.spec.switchable:
                 h.set_kv_destinations(destinations)
         for h in self.hosts:
             h.start()

@@ -62,6 +62,24 @@ def sharded(role: str, **pool) -> dict:
     return cfg
 
 
+def switching(**settings) -> dict:
+    """local.yaml with switchable workers (the prefill pool receives KV too) and `settings`."""
+    cfg = edit("router.role_switching", {"mode": "manual", **settings})
+    cfg["prefill"]["kv_base_port"] = 52500
+    return cfg
+
+
+def test_switchable_workers_have_a_kv_address_whatever_their_pool():
+    from cluster.specs import kv_destinations, worker_spec
+    from configs import ClusterConfig
+    from proto.frame_auth import ClusterSecret
+
+    config = ClusterConfig.model_validate(switching())
+    specs = [worker_spec(config, role, 0, "10.0.0.7", "10.0.0.1", ClusterSecret.generate()) for role in ("prefill", "decode")]
+    assert [(s.switchable, s.kv_address) for s in specs] == [(True, "10.0.0.7:52500"), (True, "10.0.0.7:52400")]
+    assert kv_destinations(specs) == ("10.0.0.7:52400", "10.0.0.7:52500")
+
+
 @pytest.mark.parametrize(
     ("cfg", "message"),
     [
@@ -98,6 +116,13 @@ def sharded(role: str, **pool) -> dict:
         (edit("flight_recorder", {"capacity": 0}), r"flight_recorder\.capacity: Input should be greater than or equal to 16"),
         (edit("flight_recorder", {"overrun_grace_s": 0}), r"flight_recorder\.overrun_grace_s: Input should be greater than 0"),
         (edit("flight_recorder", {"dump_dri": "/tmp"}), r"flight_recorder\.dump_dri: Extra inputs are not permitted"),
+        (edit("router.role_switching", {"mode": "sometimes"}), r"router\.role_switching\.mode: Input should be 'off'"),
+        (edit("router.role_switching", {"mode": "manual"}), "role_switching needs prefill.kv_base_port"),
+        (switching(mode="auto"), "role_switching.mode auto needs slo_ttft_ms and slo_tpot_ms"),
+        (switching(low=0.9), r"role_switching\.low \(0\.9\) must be under role_switching\.high"),
+        (switching(max_flips=0), r"router\.role_switching\.max_flips: Input should be greater than or equal to 1"),
+        ({**switching(), "kv_transfer": {"transport": "torch_dist"}}, "role_switching needs kv_transfer.transport: zmq"),
+        (edit("prefill.kv_base_port", 52400), "port 52400 of decode worker 0 KV is also prefill worker 0 KV"),
     ],
 )
 def test_mistakes_are_rejected_naming_the_key(tmp_path, cfg, message):

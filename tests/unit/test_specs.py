@@ -127,9 +127,9 @@ def test_the_router_knows_each_decode_workers_kv_address_as_bound():
         slot.resolve(replace(worker_spec(config, role, 0, "node", "127.0.0.1", SECRET), host="10.0.0.7"))
     assert slots["decode"].endpoint() == WorkerEndpoint("decode-0", "decode", "10.0.0.7:52200", "10.0.0.7:52400")
     assert slots["prefill"].endpoint() == WorkerEndpoint("prefill-0", "prefill", "10.0.0.7:52100")
-    with pytest.raises(ValueError, match="a decode worker has a KV address"):
+    with pytest.raises(ValueError, match="a decode \\(or switchable\\) worker has a KV address"):
         WorkerEndpoint("decode-0", "decode", "10.0.0.7:52200")
-    with pytest.raises(ValueError, match="no other role has one"):
+    with pytest.raises(ValueError, match="no other has one"):
         WorkerEndpoint("prefill-0", "prefill", "10.0.0.7:52100", "10.0.0.7:52400")
 
 

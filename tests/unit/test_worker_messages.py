@@ -24,6 +24,7 @@ SAMPLING = wm.Sampling(max_tokens=8, temperature=0.5, stop_token_ids=(2, 3), ign
     wm.Load("p0", "prefill", 5, 10, 1, "abc", (wm.KVLink("dist:2", False, "peer gone"),
                                                wm.KVLink("127.0.0.1:9", True, "", 2.5e9, 1e-4)), 4000.0, 0.02, 6144),
     wm.KVBlocks("d0", "abc", 3, (1, 2**63 - 1), (7,), lost=True),
+    wm.SetRole("prefill-0", "decode", "TPOT p90 0.2 s over 0.15 s"),
     # Every seed the public API takes (uint64) and the engine takes (down to -2**63) crosses.
     *(wm.Generate("r", (1,), dataclasses.replace(SAMPLING, seed=seed)) for seed in (2**64 - 1, 2**63, -(2**63))),
 ])
@@ -43,6 +44,7 @@ def packed(**raw) -> bytes:
     (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=1.0, sampling={"bogus": 1}),
      r"sampling \(Sampling\): missing fields"),
     (packed(type="Abort", request_id={}), "request_id must be a string"),
+    (packed(type="SetRole", worker_id="p0", role=1, reason=""), r"SetRole.role must be a string"),
     (packed(type="Abort", request_id="x" * 257), "at most 256 characters"),
     (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1, "2"], lease_s=1.0, sampling={}), "must be an int"),
     (packed(type="ReserveKV", request_id="r", prompt_token_ids=[1], lease_s=float("nan"),
