@@ -125,8 +125,10 @@ def test_sharded_pools_prefill_tp2_to_decode_pp2(tmp_path, hf_tiny):
 @pytest.mark.slow
 def test_status_scale_and_replacement(tmp_path, hf_tiny):
     """`pdserve scale` adds a decode worker that takes traffic and drains it away again without
-    failing the request it serves; a decode worker whose process is killed is replaced at its
-    index while the request it held is resumed elsewhere; `pdserve status` shows it all."""
+    failing the request it serves; `pdserve role` flips it to prefill and back, serving as it
+    goes (the workers are switchable: router.role_switching.mode manual); a decode worker whose
+    process is killed is replaced at its index while the request it held is resumed elsewhere;
+    `pdserve status` shows it all."""
     import grpc
 
     from proto import pdserve_pb2 as pb
@@ -136,6 +138,8 @@ def test_status_scale_and_replacement(tmp_path, hf_tiny):
     cfg = yaml.safe_load(config.read_text())
     cfg["decode"]["max_workers"] = 2
     cfg["router"].update(heartbeat_timeout_s=1.0, retry_wait_s=90.0)  # a retry may wait for the replacement
+    cfg["router"]["role_switching"] = {"mode": "manual"}
+    cfg["prefill"]["kv_base_port"] = free_port()  # a prefill worker receives KV once it flips to decode
     config.write_text(yaml.safe_dump(cfg))
     port = cfg["router"]["grpc_port"]
     up = start_up(tmp_path, config)
@@ -160,6 +164,24 @@ def test_status_scale_and_replacement(tmp_path, hf_tiny):
         assert prefill["rejected"] == {}  # told decode-1's KV address before the router sent it there
         targets = json.loads(next((tmp_path / "run").glob("*.prometheus.json")).read_text())
         assert "decode-1" in {t["labels"].get("worker_id") for t in targets}
+
+        # Flip decode-1 to prefill with no restart: two prefill workers now, requests still HF's.
+        pid = {w["worker_id"]: w["pid"] for w in status(config, tmp_path)["workers"]}
+        only = pdserve("role", str(config), "decode-0", "decode", tmp_path=tmp_path)
+        assert only.returncode == 1 and "already serves decode" in only.stderr
+        flip = pdserve("role", str(config), "decode-1", "prefill", "--reason", "test: prompts queue", tmp_path=tmp_path)
+        assert flip.returncode == 0, flip.stderr
+        assert "decode-1 now serves prefill (was decode)" in flip.stdout
+        concurrent_mix_matches_hf(port, hf_tiny)
+        workers = {w["worker_id"]: w for w in status(config, tmp_path)["workers"]}
+        assert workers["decode-1"]["role"] == "prefill" and workers["decode-1"]["serving_as"] == "prefill"
+        assert workers["decode-1"]["pid"] == pid["decode-1"]  # the same process
+        assert workers["decode-1"]["last_flip"]["reason"] == "test: prompts queue"
+        assert set(workers["decode-1"]["kv_links"]) == {"decode-0"}  # it ships KV to the decode worker
+        text = pdserve("status", str(config), tmp_path=tmp_path).stdout
+        assert "decode-1 -> prefill by manual" in text and "test: prompts queue" in text
+        back = pdserve("role", str(config), "decode-1", "decode", tmp_path=tmp_path)
+        assert back.returncode == 0, back.stderr
 
         # Shrink while long requests stream: decode-1 is drained, its requests finish normally.
         prompts = [[0] + list(range(700 + 20 * k, 720 + 20 * k)) for k in range(4)]
