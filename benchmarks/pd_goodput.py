@@ -4,7 +4,8 @@ Runs `pdserve bench compare` (cluster/bench_compare.py) over five builtin:small 
 share the machine's two cores: colocated (one engine), 1P1D, 1P2D and 2P1D (every prompt on a
 prefill worker: router.disaggregation always), adaptive (1P1D placing each prompt where the
 measured costs say, router/placement/) and switching (three workers starting as 1P2D, adaptive
-placement, and the router flipping roles as the TTFT and TPOT say, router/role_switch/), each brought up,
+placement, and the router flipping roles as the TTFT and TPOT say, router/role_switch/; and
+switching-always, the same with every prompt on a prefill worker, so only the mix adapts), each brought up,
 driven with the same seeded mixed workload at each rate, and brought down before the next.
 Prints, per layout and rate, goodput (requests/s meeting both the TTFT and the TPOT target)
 and SLO attainment with ratios against colocated, and the highest rate that keeps >= 90%
@@ -28,7 +29,8 @@ from loadgen.workloads import LengthDist, WorkloadSpec
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bench"
 LAYOUTS = {"colocated": "colocated-small.yaml", "1P1D": "disagg-small.yaml", "1P2D": "disagg-1p2d-small.yaml",
            "2P1D": "disagg-2p1d-small.yaml", "adaptive": "disagg-adaptive-small.yaml",
-           "shared": "disagg-shared-small.yaml", "switching": "disagg-switching-small.yaml"}
+           "shared": "disagg-shared-small.yaml", "switching": "disagg-switching-small.yaml",
+           "switching-always": "disagg-switching-always-small.yaml"}
 
 
 def main() -> int:

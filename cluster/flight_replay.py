@@ -145,6 +145,9 @@ def _engine_config(head: dict, notes: list[str]) -> EngineConfig:
     import torch
 
     raw = dict(head.get("header", {}).get("engine") or {})
+    if head.get("header", {}).get("switchable"):
+        raise ValueError(f"the dump of {head.get('worker_id')} is a switchable worker's (router.role_switching): "
+                         "replaying one is not supported yet; its entries are in the file as JSON lines")
     if not raw:
         raise ValueError(f"the dump of {head.get('worker_id')} names no engine settings: it cannot be replayed")
     if str(raw.get("device", "cpu")).startswith("cuda") and not torch.cuda.is_available():

@@ -71,7 +71,8 @@ class WorkerHost:
         # Its commands, events and state changes per request (proto/flight/): dumped on SIGUSR1 or
         # `pdserve debug dump`; the header is what `pdserve replay` rebuilds this role from.
         self.recorder = FlightRecorder(spec.role, spec.worker_id, spec.flight.capacity, header={
-            "engine": spec.engine.model_dump(mode="json"), "kv_address": spec.kv_address}) \
+            "engine": spec.engine.model_dump(mode="json"), "kv_address": spec.kv_address,
+            "switchable": spec.switchable}) \
             if spec.flight.enabled else None
         self._role = None  # the role object, once the serving thread made it
         self.engine: LLMEngine | None = None
@@ -126,7 +127,8 @@ class WorkerHost:
         if self.role != "prefill" and not self.spec.switchable:
             raise ValueError(f"{self.worker_id} sends no KV: only prefill (and switchable) workers take KV "
                              "destinations")
-        self.kv_destinations.replace(addresses)
+        # A switchable worker never ships KV to itself (the router never pairs it with itself).
+        self.kv_destinations.replace(tuple(a for a in addresses if a != self.spec.kv_address))
 
     @property
     def current_role(self) -> str:

@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from cluster.flight_replay import replay
 from configs import EngineConfig
 from proto import pdserve_pb2 as pb
 from proto import worker_messages as wm
+from proto.flight.dump import read as read_dump
 from proto.flight.recorder import IN
 from router.role_switch.flips import RoleFlipError
 from tests.helpers import hf_greedy
@@ -48,7 +50,7 @@ def wait_for(condition, timeout_s: float = 10.0, what: str = "") -> None:
         time.sleep(0.02)
 
 
-def test_a_flip_under_load_fails_nothing_and_matches_hf(tiny_dir, hf_tiny):
+def test_a_flip_under_load_fails_nothing_and_matches_hf(tiny_dir, hf_tiny, tmp_path):
     c = LocalCluster(tiny_dir, "disaggregated", ENGINE, num_workers={"prefill": 1, "decode": 2},
                      disaggregation="always", role_switching={"mode": "manual"})
     try:
@@ -87,6 +89,10 @@ def test_a_flip_under_load_fails_nothing_and_matches_hf(tiny_dir, hf_tiny):
                  if s.name.endswith("_total")}
         assert flips == {"prefill": 1.0, "decode": 1.0}
         c.wait_pages_free()
+        dump = tmp_path / "decode-1.flight.jsonl"  # a switchable worker's flight dump is written, not replayed yet
+        dump.write_text(host(c, "decode-1").flight_dump())
+        with pytest.raises(ValueError, match="switchable worker's .* not supported yet"):
+            replay(read_dump(dump))
         held = c.held()
         assert not held["request_ids"] and not any(held["workers"].values()), held
     finally:
