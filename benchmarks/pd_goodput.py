@@ -74,20 +74,25 @@ def main() -> int:
             s = run.summary(slo)
             ttft, tpot = ("/".join(f"{1000 * d[p]:.0f}" for p in ("p50", "p90", "p99")) for d in (s.ttft, s.tpot))
             print(f"| {name} | {run.rate:g} | {ttft} | {tpot} | {s.num_failed} |")
-    if "adaptive" in layouts and len(layouts) > 1:
-        print_adaptive_against_best(layouts, results, slo)
+    for name in ADAPTIVE:
+        if name in layouts and any(n not in ADAPTIVE for n in layouts):
+            print_against_best_fixed(name, layouts, results, slo)
     return 0
 
 
-def print_adaptive_against_best(layouts: list[str], results: list, slo: SLO) -> None:
-    """The issue's bar: adaptive's goodput against the best fixed layout's at each rate."""
-    adaptive = results[layouts.index("adaptive")]
-    print("\nadaptive against the best fixed layout at each rate:")
+ADAPTIVE = ("adaptive", "switching", "switching-always")  # the layouts that decide as they serve
+
+
+def print_against_best_fixed(adaptive_name: str, layouts: list[str], results: list, slo: SLO) -> None:
+    """The issue's bar: an adaptive layout's goodput against the best fixed layout's at each rate."""
+    adaptive = results[layouts.index(adaptive_name)]
+    print(f"
+{adaptive_name} against the best fixed layout at each rate:")
     for i, run in enumerate(adaptive.runs):
-        others = [(r.runs[i].summary(slo).goodput, n) for n, r in zip(layouts, results) if n != "adaptive"]
+        others = [(r.runs[i].summary(slo).goodput, n) for n, r in zip(layouts, results) if n not in ADAPTIVE]
         best, name = max(others)
         mine = run.summary(slo).goodput
-        print(f"  {run.rate:g} req/s: adaptive {mine:.2f}, best fixed {name} {best:.2f} -> "
+        print(f"  {run.rate:g} req/s: {adaptive_name} {mine:.2f}, best fixed {name} {best:.2f} -> "
               f"{mine / best if best else math.nan:.2f}x")
 
 
