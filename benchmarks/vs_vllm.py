@@ -43,7 +43,8 @@ from loadgen.results import BenchResult, write_result
 from loadgen.runner import BenchPlan, run_bench
 from loadgen.workloads import LengthDist, WorkloadSpec
 
-CONFIGS = {"colocated": REPO / "configs/bench/vs-vllm-colocated.yaml", "1p1d": REPO / "configs/bench/vs-vllm-1p1d.yaml"}
+CONFIGS = {"colocated": REPO / "configs/bench/vs-vllm-colocated.yaml", "1p1d": REPO / "configs/bench/vs-vllm-1p1d.yaml",
+           "adaptive": REPO / "configs/bench/vs-vllm-adaptive.yaml"}
 VLLM_PORT = 8011
 
 
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--model", default="builtin:small", help="built-in name or HF directory both systems serve")
     parser.add_argument("--dtype", default="float32", help="given to both systems (default float32)")
-    parser.add_argument("--systems", default="vllm,colocated,1p1d", help="comma list of vllm, colocated, 1p1d")
+    parser.add_argument("--systems", default="vllm,colocated,1p1d", help="comma list of vllm, colocated, 1p1d, adaptive")
     parser.add_argument("--rates", default="", help="Poisson rates of the sweep (req/s); default: --rate-fractions "
                         "of vLLM's burst throughput measured in this run, so the sweep reaches saturation on any machine")
     parser.add_argument("--rate-fractions", default="0.25,0.5,0.75,1,1.25",
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - {"vllm", *CONFIGS}
     if unknown or "vllm" not in systems:
-        parser.error(f"--systems must include vllm and name only vllm, colocated, 1p1d (got {args.systems})")
+        parser.error(f"--systems must include vllm and name only vllm, colocated, 1p1d, adaptive (got {args.systems})")
     rates = tuple(float(r) for r in args.rates.split(",") if r.strip())  # () = planned from vLLM's burst
     fractions = tuple(float(f) for f in args.rate_fractions.split(",") if f.strip())
     model_dir = resolve_model_path(args.model)

@@ -33,6 +33,8 @@ class PlacementConfig(_Strict):
                           "of the remote one")
     max_local_step_share: float = Field(0.8, gt=0, le=1, description="a decode worker whose decode step already "
                                         "takes this share of slo_tpot_ms takes no local prompts")
+    cache_aware: bool = Field(True, description="weigh each worker's cached prefix of the prompt (KV block events); "
+                              "false: a cache-blind baseline for benchmarks (with policy: least_loaded)")
 
 
 class RouterConfig(_Strict):

@@ -79,7 +79,7 @@ class Router:
         placement = cfg.placement
         self.placer = Placer(PlacementSettings(cfg.disaggregation, placement.stall_weight, placement.margin,
                                                None if cfg.slo_tpot_ms is None else cfg.slo_tpot_ms / 1000,
-                                               placement.max_local_step_share),
+                                               placement.max_local_step_share, placement.cache_aware),
                              self.prefill_gate, self._placed)
         self.roles = ["colocated"] if spec.mode == "colocated" else ["prefill", "decode"]
         # What can serve a request: a decode worker can compute a prompt itself when no prefill

@@ -44,6 +44,7 @@ class PlacementSettings:
     margin: float = 0.2  # local wins only below (1 - margin) x remote's cost
     tpot_target_s: float | None = None  # router.slo_tpot_ms
     max_local_step_share: float = 0.8  # of the TPOT target, a decode step may already take for local prompts
+    cache_aware: bool = True  # False: the workers' cached prefixes are not looked at (a cache-blind baseline)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -34,7 +34,8 @@ class Placer:
         hashes them (`pool.blocks.prompt_hashes`, once per attempt); `ahead_tokens`: prompt
         tokens waiting before it in the router's prefill queue. None: no worker can take it now."""
         prefill_loads, decode_loads = pool.loads("prefill"), pool.loads("decode")
-        cached = pool.blocks.cached_tokens(hashes, [w.worker_id for w in (*prefill_loads, *decode_loads)])
+        cached = pool.blocks.cached_tokens(hashes if self.settings.cache_aware else [],
+                                           [w.worker_id for w in (*prefill_loads, *decode_loads)])
         prior_p, prior_d = prior_rates(prefill_loads, decode_loads)
         prefills = prefill_sides(prefill_loads, self.gate.outstanding, cached.__getitem__, prior_p)
         decodes = decode_sides(decode_loads, self.local.tokens, cached.__getitem__, prior_d)
