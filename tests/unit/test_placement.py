@@ -217,3 +217,34 @@ def test_a_request_waiting_for_prefill_room_leaves_the_queue_when_told_to():
         gate.release(held, 100)
 
     asyncio.run(scenario())
+
+
+class _PoolWithCache:
+    """What Placer.place reads of a pool: one prefill and one decode worker, measured, the decode
+    worker holding the prompt's first 4 pages (its KV block events)."""
+
+    def __init__(self, hashes: list[int]) -> None:
+        self.blocks = BlockIndex(16)
+        self.blocks.apply(blocks("d0", 0, stored=hashes[:4]))
+
+    def loads(self, role: str) -> list[WorkerLoad]:
+        return [WorkerLoad("p0" if role == "prefill" else "d0", True, 0, 100, 0, 0, 1000.0, 0.01)]
+
+    def kv_route(self, prefill: str, decode: str) -> str:
+        return "127.0.0.1:1"
+
+    def link_cost(self, prefill: str, address: str) -> LinkCost:
+        return LinkCost(1e-4, 1e9)
+
+    def kv_bytes_per_token(self) -> int:
+        return 1024
+
+
+@pytest.mark.parametrize(("cache_aware", "kind"), [(True, "suffix"), (False, "remote")])
+def test_a_cache_blind_placer_does_not_see_the_decode_workers_prefix(cache_aware, kind):
+    from router.placement.placer import Placer
+
+    prompt = list(range(1, 81))  # 5 full pages of 16
+    hashes = [short_hash(h) for h in hash_full_pages(prompt, 16)]
+    placer = Placer(PlacementSettings(cache_aware=cache_aware), PrefillGate(8192))
+    assert placer.place(_PoolWithCache(hashes), len(prompt), hashes, 0).kind == kind
