@@ -164,6 +164,7 @@ class WorkerHost:
         snap = self.engine.snapshot
         return {"running": snap.num_running, "waiting": snap.num_waiting, "kv_pages": snap.page_stats(),
                 "serving_as": self.current_role,  # as the worker itself says (a switchable one's last SetRole)
+                "late_commands": dict(getattr(self._role, "late_commands", {})),  # the old role's, served after a flip
                 "rejected": dict(getattr(self._role, "rejected", {})),  # refused commands by reason
                 "rejected_messages": _nested(self.rejected_messages()),  # every dropped message: {socket: {reason: n}}
                 "error": None if self.error is None else f"{type(self.error).__name__}: {self.error}"}

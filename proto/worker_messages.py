@@ -136,10 +136,9 @@ class Abort:
 
 @dataclass(frozen=True)
 class SetRole:
-    """A switchable worker (cluster/role_switch/) now serves `role` ("prefill" or "decode"): it takes
-    that role's commands only, finishes what it holds of the other, and reports `role` in its
-    heartbeats. Sent on the worker's command socket, so it arrives after every command routed to it
-    for the old role."""
+    """A switchable worker (cluster/role_switch/) now serves `role` ("prefill" or "decode"): the router
+    routes only that role's work to it from now on, it finishes what it holds of the other (and
+    serves any of the other's commands still on the way), and reports `role` in its heartbeats."""
 
     worker_id: str
     role: str

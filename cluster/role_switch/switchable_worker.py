@@ -10,8 +10,10 @@ sequence decodes to its end, both in the same engine steps as the new role's wor
 batches prompts and decodes together, as a colocated worker does). So a flip fails nothing,
 and the router routes the new role's work to the worker the moment it decides.
 
-Commands of the role it does not hold are refused (Failed, stage "command", through the serving
-loop): the router sends SetRole on the same ordered socket as its commands, so none should come.
+A command of the role it no longer holds is still served, not refused, and counted in
+`late_commands`: the router may have chosen this worker for a request before the flip and send
+the command after it (a prompt's prefill worker is chosen, then the decode worker's reservation
+awaited, then the prompt sent), and refusing it would fail that request.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SwitchableWorker:
         self.prefill, self.decode = prefill, decode
         self.role = role
         self.last_flip: tuple[str, str] | None = None  # (role, reason) of the last SetRole
+        self.late_commands: dict[str, int] = {}  # the other role's commands served after a flip, by type
         self.log = decode.log  # where flips are logged; each role logs its own requests
         self.logs = (prefill.log, decode.log)  # what the flight recorder taps (cluster/worker_host.py)
 
@@ -62,10 +65,10 @@ class SwitchableWorker:
             self.prefill.handle(message)
             self.decode.handle(message)
         elif isinstance(message, Prefill):
-            self._check("prefill", message)
+            self._count_late("prefill", message)
             self.prefill.handle(message)
         elif isinstance(message, ReserveKV | Generate):
-            self._check("decode", message)
+            self._count_late("decode", message)
             self.decode.handle(message)
         else:
             raise ValueError(f"a switchable worker does not take {type(message).__name__}")
@@ -90,10 +93,11 @@ class SwitchableWorker:
         self.prefill.publish_own()
         self.decode.publish_own()
 
-    def _check(self, wanted: str, message: object) -> None:
-        if self.role != wanted:
-            raise ValueError(f"{self.worker_id} serves {self.role} now, not {wanted}: "
-                             f"{type(message).__name__} refused")
+    def _count_late(self, role: str, message: object) -> None:
+        if self.role != role:
+            name = type(message).__name__
+            self.late_commands[name] = self.late_commands.get(name, 0) + 1
+            self.log.event("late_command", getattr(message, "request_id", None), command=name, serving=self.role)
 
     def _set_role(self, message: SetRole) -> None:
         if message.role not in ROLES:

@@ -65,9 +65,17 @@ def test_a_flip_under_load_fails_nothing_and_matches_hf(tiny_dir, hf_tiny, tmp_p
             assert sorted(w.worker_id for w in c.router.pool.loads("prefill")) == ["decode-1", "prefill-0"]
             assert [w.worker_id for w in c.router.pool.loads("decode")] == ["decode-0"]
             second = [pool.submit(generate, c, p) for p in prompts[12:]]
+            # And prefill-0 to decode while prompts are queued for it: the ones it was already
+            # chosen for still reach it (served as late commands), the rest go to decode-1.
+            wait_for(lambda: host(c, "prefill-0").engine.snapshot.num_waiting + host(c, "prefill-0").engine.snapshot
+                     .num_running > 0, what="prefill-0 to compute")
+            flip(c, "prefill-0", "decode")
             replies = [f.result() for f in first + second]
+            third = [pool.submit(generate, c, p) for p in prompts[:6]]
+            replies += [f.result() for f in third]
+        assert sorted(w.worker_id for w in c.router.pool.loads("decode")) == ["decode-0", "prefill-0"]
         for i, reply in enumerate(replies):
-            assert list(reply.token_ids) == want[i], f"request {i} ({reply.usage.placement})"
+            assert list(reply.token_ids) == want[i % 24], f"request {i} ({reply.usage.placement})"
         # The flipped worker now computes prompts and ships their KV: its heartbeat says so, and
         # the prompts sent after the flip went to either prefill worker, none to it as decode.
         assert host(c, "decode-1").current_role == "prefill"
@@ -76,7 +84,11 @@ def test_a_flip_under_load_fails_nothing_and_matches_hf(tiny_dir, hf_tiny, tmp_p
         at = kinds.index("SetRole")  # what it took before the flip was decode work, after it prefill work
         assert set(kinds[:at]) <= {"ReserveKV", "Abort"} and "ReserveKV" in kinds[:at]
         assert set(kinds[at + 1:]) <= {"Prefill", "Abort"} and "Prefill" in kinds[at + 1:], kinds
-        wait_for(lambda: c.router.pool.loads("prefill")[1].queued_tokens == 0, what="decode-1's heartbeat")
+        # prefill-0's own record: what reached it after its flip for its old role was served and counted.
+        kinds = [type(wm.decode(e.payload)).__name__ for e in host(c, "prefill-0").recorder.entries() if e.kind == IN]
+        late = kinds[kinds.index("SetRole") + 1:].count("Prefill")
+        assert host(c, "prefill-0").state()["late_commands"] == ({"Prefill": late} if late else {})
+        wait_for(lambda: c.router.pool.loads("prefill")[0].queued_tokens == 0, what="decode-1's heartbeat")
         assert host(c, "decode-1").engine.snapshot.num_running == 0  # its decodes finished there
         # And back: it decodes again; requests still match.
         flip(c, "decode-1", "decode")
@@ -87,7 +99,7 @@ def test_a_flip_under_load_fails_nothing_and_matches_hf(tiny_dir, hf_tiny, tmp_p
         assert view["decode-1"]["last_flip"]["reason"] == "test" and view["decode-1"]["last_flip"]["by"] == "manual"
         flips = {s.labels["role"]: s.value for m in c.router.metrics.role_flips.collect() for s in m.samples
                  if s.name.endswith("_total")}
-        assert flips == {"prefill": 1.0, "decode": 1.0}
+        assert flips == {"prefill": 1.0, "decode": 2.0}
         c.wait_pages_free()
         dump = tmp_path / "decode-1.flight.jsonl"  # a switchable worker's flight dump is written, not replayed yet
         dump.write_text(host(c, "decode-1").flight_dump())
