@@ -86,8 +86,7 @@ ADAPTIVE = ("adaptive", "switching", "switching-always")  # the layouts that dec
 def print_against_best_fixed(adaptive_name: str, layouts: list[str], results: list, slo: SLO) -> None:
     """The issue's bar: an adaptive layout's goodput against the best fixed layout's at each rate."""
     adaptive = results[layouts.index(adaptive_name)]
-    print(f"
-{adaptive_name} against the best fixed layout at each rate:")
+    print(f"\n{adaptive_name} against the best fixed layout at each rate:")
     for i, run in enumerate(adaptive.runs):
         others = [(r.runs[i].summary(slo).goodput, n) for n, r in zip(layouts, results) if n not in ADAPTIVE]
         best, name = max(others)
