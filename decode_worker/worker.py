@@ -118,14 +118,12 @@ class DecodeWorker:
         self.emit_outputs(self.engine.step())
         return True
 
-    def take_kv(self, idle_wait_s: float = 0.005, busy_elsewhere: bool = False) -> bool:
+    def take_kv(self, idle_wait_s: float = 0.005) -> bool:
         """Computes some of a reserved request's draft prompt KV (while nothing runs), takes in
         arrived KV and joins the requests it completes; waits up to `idle_wait_s` for KV only
-        when nothing runs here (`busy_elsewhere`: the engine has other work this turn). Returns
-        whether it computed draft KV."""
+        when nothing runs here. Returns whether it computed draft KV."""
         ahead = self.engine.run_ahead()
-        idle = (not ahead and not busy_elsewhere and not self.engine.has_unfinished_requests()
-                and self.receiver.num_pending > 0)
+        idle = not ahead and not self.engine.has_unfinished_requests() and self.receiver.num_pending > 0
         for outcome in poll(self.receiver, self.kv_transport, idle_wait_s if idle else 0.0):
             if outcome.state is not TransferState.DONE:
                 self._fail(outcome.request_id, "transfer", f"KV transfer {outcome.state.value}: {outcome.detail}")

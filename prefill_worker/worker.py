@@ -104,11 +104,6 @@ class PrefillWorker:
         self.ship()
         return True
 
-    @property
-    def has_jobs(self) -> bool:
-        """Whether a prompt is being computed or its KV shipped here."""
-        return bool(self._jobs)
-
     def owns(self, request_id: str) -> bool:
         """Whether `request_id` is one of this role's prefill jobs (its engine output is a first token)."""
         return request_id in self._jobs

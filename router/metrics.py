@@ -22,7 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from proto.usage_stages import request_stages, usage_stages
-from router.slo import SloTargets, SloWindow
+from router.slo import SloTargets, SloWindow, tpot_of
 
 # Latency buckets from 1 ms to 60 s: CPU runs of the tiny model and GPU runs of real ones.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -92,12 +92,11 @@ class RouterMetrics:
                          spec_accepted_tokens: int = 0) -> None:
         self.finished.labels(finish_reason).inc()
         self.e2e.observe(e2e_s)
-        tpot_s = None
+        tpot_s = tpot_of(ttft_s, e2e_s, num_tokens)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
-            if num_tokens > 1:
-                tpot_s = (e2e_s - ttft_s) / (num_tokens - 1)
-                self.tpot.observe(tpot_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
         if finish_reason != "abort":  # an aborted request is not served output
             met = self.slo.met(ttft_s, tpot_s)
             self.slo_window.record(met, ttft_s, tpot_s)

@@ -40,7 +40,7 @@ from router.request_ids import LiveIds, new_client_id, new_internal_id
 from router.role_switch.controller import RoleController
 from router.role_switch.flips import RoleSwitcher
 from router.security import ApiKeyInterceptor
-from router.slo import SloTargets
+from router.slo import SloTargets, tpot_of
 from router.slo_admission import SloAdmission, SloRefused, colocated_ttft_s
 from router.spec import RouterSpec
 from router.tokenizer import RouterTokenizer
@@ -323,8 +323,7 @@ class Router:
                                                   usage.cached_prompt_tokens, usage.spec_proposed_tokens,
                                                   usage.spec_accepted_tokens)
                     self.metrics.request_stages(usage)
-                    self.role_switcher.observe(ttft, (now - start - ttft) / (num_tokens - 1) if ttft is not None
-                                              and num_tokens > 1 else None, usage.ttft_breakdown.queued_s)
+                    self.role_switcher.observe(ttft, tpot_of(ttft, now - start, num_tokens))
                     self.log.event("finished", rid, **ids, finish_reason=reason, completion_tokens=num_tokens,
                                    cached_prompt_tokens=response.usage.cached_prompt_tokens,
                                    e2e_s=round(now - start, 6))

@@ -16,6 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
+def tpot_of(ttft_s: float | None, e2e_s: float, num_tokens: int) -> float | None:
+    """(E2E - TTFT) / (tokens - 1); None for a request with no token or only one."""
+    return None if ttft_s is None or num_tokens < 2 else (e2e_s - ttft_s) / (num_tokens - 1)
+
+
 @dataclass(frozen=True)
 class SloTargets:
     ttft_s: float | None = None  # None: no target on this metric
@@ -48,6 +53,10 @@ class SloWindow:
         with self._lock:
             self._outcomes.append((self.clock(), met, ttft_s, tpot_s))
             self._prune()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._outcomes.clear()
 
     def latency(self, q: float = 0.9) -> dict[str, float | int | None]:
         """The window's TTFT and TPOT at quantile `q` (nearest rank; None without samples), and

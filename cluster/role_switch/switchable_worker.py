@@ -76,12 +76,11 @@ class SwitchableWorker:
     def step(self, idle_wait_s: float = 0.005) -> bool:
         """One turn of both roles on one engine step: KV taken in and joined, the step (prompts
         and decodes together), first tokens and Tokens out, new KV pages shipped."""
-        shipping = self.prefill.has_jobs
-        ahead = self.decode.take_kv(idle_wait_s, busy_elsewhere=shipping)
+        # A prefill job is an unfinished engine request until the step that computes its last
+        # chunk, which also ships the rest and ends it: nothing to ship while the engine idles.
+        ahead = self.decode.take_kv(idle_wait_s)
         if not self.engine.has_unfinished_requests():
-            if shipping:
-                self.prefill.ship()
-            return ahead or shipping
+            return ahead
         outputs = self.engine.step()
         self.prefill.take_outputs(out for out in outputs if self.prefill.owns(out.request_id))
         self.decode.emit_outputs(out for out in outputs if not self.prefill.owns(out.request_id))

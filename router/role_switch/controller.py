@@ -1,9 +1,10 @@
 """When to flip a worker between prefill and decode: the router's role-switching controller.
 
-Fed once per finished request (`observe`: its TTFT, split into the router's queue and the
-prefill worker's share, router/ttft_stages.py, and its TPOT), asked every `interval_s`
-(`decide`). A flip moves capacity from the side with slack to the side under pressure, judged
-against the SLO targets over the requests finished in the last `window_s`:
+Fed once per finished request (`observe`: its TTFT, which is the prefill side's queue and
+compute, router/ttft_stages.py, and its TPOT, which holds the decode side's wait and steps),
+kept in a window of its own (router/slo.py SloWindow), asked every `interval_s` (`decide`). A
+flip moves capacity from the side with slack to the side under pressure, judged against the SLO
+targets over the requests finished in the last `window_s`:
 - decode -> prefill when the TTFT p90 is past `high` x the TTFT target (prompts wait for prefill)
   while the TPOT p90 is under `low` x the TPOT target (the decode workers have time to spare);
 - prefill -> decode when the TPOT p90 is past `high` x its target while the TTFT p90 is under
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from configs.role_switching import RoleSwitchingConfig
+from router.slo import SloWindow
 
 
 @dataclass(frozen=True)
@@ -44,45 +46,37 @@ class Flip:
     reason: str
 
 
-def p90(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-
-
 class RoleController:
     def __init__(self, config: RoleSwitchingConfig, ttft_target_s: float, tpot_target_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.ttft_target_s, self.tpot_target_s = ttft_target_s, tpot_target_s
         self.clock = clock
-        self._samples: deque[tuple[float, float, float | None, float]] = deque()  # (at, ttft, tpot, queued)
+        self._window = SloWindow(config.window_s, clock)  # the recent requests' TTFT and TPOT
         self._since: dict[str, float] = {}  # direction ("prefill"/"decode": the role short of workers) -> held since
         self._flips: deque[float] = deque()  # when the recent flips were made
 
-    def observe(self, ttft_s: float, tpot_s: float | None, queued_s: float = 0.0) -> None:
-        """A finished request: its TTFT, TPOT (None: one token) and the router-side queue share of its TTFT."""
-        self._samples.append((self.clock(), ttft_s, tpot_s, queued_s))
+    def observe(self, ttft_s: float, tpot_s: float | None) -> None:
+        """A finished request: its TTFT and TPOT (None: one token)."""
+        self._window.record(True, ttft_s, tpot_s)
 
     def flipped(self) -> None:
         """A flip was made (by this controller or by hand): the samples and the timers start again."""
         self._flips.append(self.clock())
-        self._samples.clear()
+        self._window.clear()
         self._since.clear()
 
     def decide(self, workers: Sequence[Candidate]) -> Flip | None:
         """The flip to make now, if any (the caller makes it, then calls `flipped`)."""
         now, c = self.clock(), self.config
-        while self._samples and self._samples[0][0] < now - c.window_s:
-            self._samples.popleft()
         while self._flips and self._flips[0] < now - c.flip_window_s:
             self._flips.popleft()
-        if len(self._samples) < c.min_samples:
+        recent = self._window.latency(0.9)
+        requests = int(recent["requests"] or 0)
+        if requests < c.min_samples:
             self._since.clear()
             return None
-        ttft = p90([s[1] for s in self._samples])
-        tpots = [s[2] for s in self._samples if s[2] is not None]
-        tpot = p90(tpots) if tpots else 0.0
-        queued = p90([s[3] for s in self._samples])
+        ttft, tpot = recent["ttft_s"] or 0.0, recent["tpot_s"] or 0.0
         ttft_share, tpot_share = ttft / self.ttft_target_s, tpot / self.tpot_target_s
         short = None  # the role short of workers
         if ttft_share > c.high and tpot_share < c.low:
@@ -106,7 +100,6 @@ class RoleController:
         # The donor with the least of its old role's work left to finish.
         worker = min(donors, key=lambda w: (w.running, w.worker_id) if donor == "decode"
                      else (w.queued_tokens, w.worker_id))
-        reason = (f"TTFT p90 {ttft:.3f} s ({ttft_share:.0%} of target, queued p90 {queued:.3f} s), "
-                  f"TPOT p90 {tpot * 1000:.1f} ms ({tpot_share:.0%} of target) over {len(self._samples)} "
-                  f"requests: {short} short of workers")
+        reason = (f"TTFT p90 {ttft:.3f} s ({ttft_share:.0%} of target), TPOT p90 {tpot * 1000:.1f} ms "
+                  f"({tpot_share:.0%} of target) over {requests} requests: {short} short of workers")
         return Flip(worker.worker_id, short, reason)

@@ -39,10 +39,10 @@ class RoleSwitcher:
         self._counted = counted
         self.controller = controller
 
-    def observe(self, ttft_s: float | None, tpot_s: float | None, queued_s: float) -> None:
+    def observe(self, ttft_s: float | None, tpot_s: float | None) -> None:
         """A request finished with tokens: what the controller judges the mix by."""
         if self.controller is not None and ttft_s is not None:
-            self.controller.observe(ttft_s, tpot_s, queued_s)
+            self.controller.observe(ttft_s, tpot_s)
 
     async def flip(self, worker_id: str, role: str, reason: str, by: str = "manual") -> dict:
         """Makes `worker_id` a `role` worker now, or raises RoleFlipError saying why not."""

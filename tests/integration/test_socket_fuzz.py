@@ -23,6 +23,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.control import ControlServer, control_request
+from cluster.pools import ScaleError
 from configs import EngineConfig
 from engine.metrics.peak import Peak
 from proto import pdserve_pb2 as pb
@@ -361,6 +362,12 @@ class _Pools:
         self.scaled.append((role, size))
         return {"role": role, "size": size}
 
+    def set_role(self, worker_id: str, role: str, reason: str) -> dict:
+        if worker_id != "decode-1":
+            raise ScaleError(f"no worker {worker_id!r}")
+        self.scaled.append((worker_id, role, reason))
+        return {"worker_id": worker_id, "old": "decode", "role": role, "reason": reason}
+
 
 def test_the_control_socket_does_only_what_its_cluster_signs():
     """`pdserve scale` / `status` of this cluster work; the same requests unsigned, with another
@@ -374,6 +381,16 @@ def test_the_control_socket_does_only_what_its_cluster_signs():
     scale = msgpack.packb({"op": "scale", "sizes": {"decode": 2}}, use_bin_type=True)
     try:
         assert control_request(address, {"op": "status"}, 5, secret)["status"]["mode"] == "test"
+        # set_role: its arguments checked, a refusal's reason passed on, a good one done once
+        for bad, why in [({"op": "set_role"}, "set_role needs a worker and a role"),
+                         ({"op": "set_role", "worker": 7, "role": "prefill"}, "set_role needs a worker and a role"),
+                         ({"op": "set_role", "worker": "nope", "role": "prefill"}, "no worker 'nope'")]:
+            reply = control_request(address, bad, 5, secret)
+            assert not reply["ok"] and why in reply["error"], reply
+        assert control_request(address, {"op": "set_role", "worker": "decode-1", "role": "prefill"}, 5,
+                               secret)["flip"]["reason"] == "asked"
+        assert pools.scaled == [("decode-1", "prefill", "asked")]
+        pools.scaled.clear()
         with pytest.raises(PermissionError, match="not from this cluster"):
             control_request(address, {"op": "scale", "sizes": {"decode": 3}}, 5, ClusterSecret("x" * 32))
         signed = FrameSigner(secret, "cli").wrap(address, scale)

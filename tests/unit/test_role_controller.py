@@ -40,8 +40,8 @@ def feed(c: RoleController, clock: Clock, ttft_s: float, tpot_s: float, seconds:
     end = clock.t + seconds
     while clock.t < end:
         clock.t += every_s
-        c.observe(ttft_s, tpot_s, ttft_s / 2)
-        c.observe(ttft_s, tpot_s, ttft_s / 2)
+        c.observe(ttft_s, tpot_s)
+        c.observe(ttft_s, tpot_s)
         choice = c.decide(mix if mix is not None else workers())
         if choice is not None:
             flips.append(choice)
@@ -53,7 +53,7 @@ def test_prompts_waiting_while_decode_idles_flip_the_least_busy_decode_worker():
     c, clock = controller()
     flips = feed(c, clock, ttft_s=3.0, tpot_s=0.02, seconds=10)
     assert [(f.worker_id, f.role) for f in flips] == [("decode-1", "prefill")]  # decode-1 runs fewer
-    assert "TTFT p90 3.000 s (150% of target" in flips[0].reason and "prefill short of workers" in flips[0].reason
+    assert "TTFT p90 3.000 s (150% of target)" in flips[0].reason and "prefill short of workers" in flips[0].reason
 
 
 def test_slow_decodes_while_prefill_idles_flip_the_least_queued_prefill_worker():
