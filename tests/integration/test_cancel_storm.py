@@ -144,7 +144,9 @@ def test_a_storm_of_1000_cancels_with_a_prefill_worker_killed_leaves_nothing_hel
             outcomes[how, outcome] = outcomes.get((how, outcome), 0) + 1
         allowed = {"done", "cancelled", "DEADLINE_EXCEEDED"}
         assert {o for _, o in outcomes} <= allowed, outcomes  # nothing failed: every end was the client's
-        assert sum(n for (_, o), n in outcomes.items() if o != "done") >= N // 2, outcomes  # most were cut short
+        # Many were cut short: a third at least (how many finish first depends on the CPU's speed:
+        # 50-60% were cut short on the 2-core machines this was written on, 39% on a faster one).
+        assert sum(n for (_, o), n in outcomes.items() if o != "done") >= N // 3, outcomes
         assert sum(n for (_, o), n in outcomes.items() if o == "done") >= 20, outcomes  # and some were not
         cut = [len(tokens) for _, o, tokens, how in results if how != "http" and o != "done"]
         assert 0 in cut and any(0 < n < MAX_TOKENS for n in cut)  # cut before the first token, and while decoding
