@@ -144,8 +144,8 @@ def test_a_storm_of_1000_cancels_with_a_prefill_worker_killed_leaves_nothing_hel
             outcomes[how, outcome] = outcomes.get((how, outcome), 0) + 1
         allowed = {"done", "cancelled", "DEADLINE_EXCEEDED"}
         assert {o for _, o in outcomes} <= allowed, outcomes  # nothing failed: every end was the client's
-        # Many were cut short: a third at least (how many finish first depends on the CPU's speed:
-        # 50-60% were cut short on the 2-core machines this was written on, 39% on a faster one).
+        # Many were cut short: a third at least. How many finish before their client gives up depends on
+        # the CPU's speed: earlier machines passed a bar of half; a 2-core Zen 3 on 2026-12-07 cut 388.
         assert sum(n for (_, o), n in outcomes.items() if o != "done") >= N // 3, outcomes
         assert sum(n for (_, o), n in outcomes.items() if o == "done") >= 20, outcomes  # and some were not
         cut = [len(tokens) for _, o, tokens, how in results if how != "http" and o != "done"]
